@@ -1,0 +1,1 @@
+"""TRACE: capability-targeted agentic training as a declarative Dagster pipeline."""

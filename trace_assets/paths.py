@@ -1,0 +1,46 @@
+"""Where runtime data lives. One git-ignored folder, set by ``TRACE_DATA_DIR`` (default ``./data``).
+
+Everything the pipeline writes goes below it: the Dagster storage, the DuckDB file, the MLflow
+store, the model cache, adapters and synthetic environments. Deleting it resets the project.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def data_dir() -> Path:
+    """The runtime data folder, created on first use."""
+    root = Path(os.environ.get("TRACE_DATA_DIR", REPO_ROOT / "data")).expanduser().resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def sub(*parts: str) -> Path:
+    """A sub-folder of the data folder, created on first use."""
+    path = data_dir().joinpath(*parts)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def models_dir() -> Path:
+    return sub("models")
+
+
+def duckdb_path() -> Path:
+    return data_dir() / "trace.duckdb"
+
+
+def trajectories_dir() -> Path:
+    return sub("trajectories")
+
+
+def quarantine_dir() -> Path:
+    return sub("quarantine")
+
+
+def landing_dir() -> Path:
+    return sub("landing")

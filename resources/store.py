@@ -1,0 +1,171 @@
+"""``TraceStore``: the DuckDB file that holds trajectories (and, later, labels and stats).
+
+Contracts:
+
+* ``insert_trajectories`` is idempotent: rows are keyed by ``trajectory_id`` and an id already
+  stored is never overwritten or duplicated. The insert is one transaction: all new rows land, or
+  none do.
+* Every batch of newly inserted rows is also written as a Parquet file under
+  ``<data>/trajectories/<env>/``, so the data stays readable without this project.
+* Connections are short-lived: DuckDB allows one writing process per file, and the sensor, the
+  webserver and runs all open the store. ``connect`` retries while another process holds the lock.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import polars as pl
+from dagster import ConfigurableResource
+from pydantic import Field
+
+from trace_assets import paths
+
+TRAJECTORY_COLUMNS = (
+    "trajectory_id", "task_id", "env", "split", "policy", "messages",
+    "reward", "success", "info", "source", "created_at",
+)
+
+SCHEMA_SQL = """
+CREATE TABLE IF NOT EXISTS trajectories (
+    trajectory_id VARCHAR PRIMARY KEY,
+    task_id       VARCHAR NOT NULL,
+    env           VARCHAR NOT NULL,
+    split         VARCHAR NOT NULL,
+    policy        VARCHAR NOT NULL,
+    messages      JSON NOT NULL,
+    reward        DOUBLE NOT NULL,
+    success       BOOLEAN NOT NULL,
+    info          JSON NOT NULL,
+    source        VARCHAR NOT NULL,
+    created_at    TIMESTAMPTZ NOT NULL
+);
+"""
+
+
+class TraceStore(ConfigurableResource):
+    """The project's DuckDB database. ``database`` defaults to ``<TRACE_DATA_DIR>/trace.duckdb``."""
+
+    database: str = Field(default="", description="DuckDB file; empty means the data folder's.")
+    lock_timeout_s: float = Field(default=60.0, description="How long to wait for another writer.")
+
+    @property
+    def path(self) -> Path:
+        return Path(self.database) if self.database else paths.duckdb_path()
+
+    @contextmanager
+    def connect(self, read_only: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A connection with the schema in place. Retries while another process holds the file."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + self.lock_timeout_s
+        while True:
+            try:
+                conn = duckdb.connect(str(self.path), read_only=read_only and self.path.exists())
+                break
+            except duckdb.IOException as exc:  # the file is locked by another process
+                if "lock" not in str(exc).lower() or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        try:
+            if not read_only:
+                conn.execute(SCHEMA_SQL)
+            yield conn
+        finally:
+            conn.close()
+
+    def insert_trajectories(self, records: Sequence[dict[str, Any]], *, batch_name: str) -> int:
+        """Insert normalised trajectory records; return how many were new.
+
+        ``records`` must already be validated (see ``trace_assets.trajectories``). ``batch_name``
+        names the Parquet file of the new rows (a path-safe string).
+        """
+        if not records:
+            return 0
+        frame = _records_frame(records)
+        with self.connect() as conn:
+            conn.register("batch", frame.to_arrow())
+            conn.execute("BEGIN TRANSACTION")
+            try:
+                conn.execute(
+                    "CREATE TEMP TABLE new_rows AS SELECT DISTINCT ON (trajectory_id) * FROM batch "
+                    "WHERE trajectory_id NOT IN (SELECT trajectory_id FROM trajectories)"
+                )
+                inserted = conn.execute("SELECT count(*) FROM new_rows").fetchone()[0]
+                conn.execute(
+                    f"INSERT INTO trajectories SELECT {', '.join(_casts())} FROM new_rows"
+                )
+                if inserted:
+                    self._write_parquet(conn, batch_name)
+                conn.execute("DROP TABLE new_rows")
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            finally:
+                conn.unregister("batch")
+        return int(inserted)
+
+    def _write_parquet(self, conn: duckdb.DuckDBPyConnection, batch_name: str) -> None:
+        for (env,) in conn.execute("SELECT DISTINCT env FROM new_rows").fetchall():
+            folder = paths.sub("trajectories", env)
+            final = folder / f"{batch_name}.parquet"
+            tmp = folder / f".{batch_name}.parquet.tmp"
+            conn.execute(
+                f"COPY (SELECT * FROM new_rows WHERE env = ?) TO '{tmp}' (FORMAT parquet)", [env]
+            )
+            tmp.replace(final)
+
+    def query(self, sql: str, params: Sequence[Any] | None = None) -> pl.DataFrame:
+        """Run a read query and return a polars frame."""
+        with self.connect() as conn:
+            return conn.sql(sql, params=list(params or [])).pl()
+
+    def trajectories(self, **equals: Any) -> list[dict[str, Any]]:
+        """Trajectory records matching column equalities, with messages and info decoded."""
+        where = " AND ".join(f"{col} = ?" for col in equals) or "TRUE"
+        for col in equals:
+            if col not in TRAJECTORY_COLUMNS:
+                raise ValueError(f"unknown trajectory column {col!r}")
+        frame = self.query(
+            f"SELECT * FROM trajectories WHERE {where} ORDER BY trajectory_id", list(equals.values())
+        )
+        rows = frame.to_dicts()
+        for row in rows:
+            row["messages"] = json.loads(row["messages"])
+            row["info"] = json.loads(row["info"])
+            row["created_at"] = row["created_at"].isoformat()
+        return rows
+
+
+def _casts() -> list[str]:
+    return [
+        "CAST(created_at AS TIMESTAMPTZ)" if col == "created_at" else col
+        for col in TRAJECTORY_COLUMNS
+    ]
+
+
+def _records_frame(records: Sequence[dict[str, Any]]) -> pl.DataFrame:
+    rows = [
+        {
+            **{col: rec[col] for col in TRAJECTORY_COLUMNS},
+            "messages": json.dumps(rec["messages"], ensure_ascii=False),
+            "info": json.dumps(rec["info"], ensure_ascii=False, default=str),
+            "reward": float(rec["reward"]),
+            "success": bool(rec["success"]),
+        }
+        for rec in records
+    ]
+    return pl.DataFrame(rows, schema={col: _POLARS_TYPES[col] for col in TRAJECTORY_COLUMNS})
+
+
+_POLARS_TYPES = {
+    "trajectory_id": pl.String, "task_id": pl.String, "env": pl.String, "split": pl.String,
+    "policy": pl.String, "messages": pl.String, "reward": pl.Float64, "success": pl.Boolean,
+    "info": pl.String, "source": pl.String, "created_at": pl.String,
+}

@@ -1,0 +1,125 @@
+"""Pipeline settings: one frozen dataclass tree, chosen by profile and overridden by a TOML file.
+
+* ``TRACE_PROFILE`` picks the defaults: ``demo`` (the embedded SmolLM2 default, sized to run on a
+  2-core CPU) or ``tiny`` (a random tiny model and a handful of tasks, for tests and UI checks).
+* ``TRACE_CONFIG`` may name a TOML file whose tables override fields, e.g.::
+
+      base_model = "Qwen/Qwen2.5-0.5B-Instruct"
+      [selection]
+      delta = 0.25
+
+Settings are read when the Dagster code location loads. Assets that must become stale when a
+setting changes put a hash of the relevant section into their ``code_version`` (Dagster's staleness
+ignores run config, so run config cannot carry them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tomllib
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TaskSettings:
+    """How ``task_splits`` draws tasks from the target environment."""
+
+    env: str = "retail"
+    demo_per_family: int = 12  # train tasks whose scripted demos warm-start the demo agent
+    train_per_family: int = 12  # train tasks the base agent is rolled out on (Step 1's data)
+    test_per_family: int = 6  # held-out tasks: measuring only, never used to identify
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class WarmStartSettings:
+    """The short SFT that turns the raw demo model into a real but imperfect tool-using agent.
+
+    ``enabled = false`` skips it: bring a model that already calls tools (see README).
+    """
+
+    enabled: bool = True
+    epochs: int = 2
+    lr: float = 2e-4
+    lora_r: int = 16
+    lora_alpha: int = 32
+    batch_size: int = 8
+    confirm_rate: float = 1.0  # share of demos whose expert asks for confirmation before writes
+    max_length: int = 1536
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    max_steps: int = 50
+    max_new_tokens: int = 96
+    max_context_tokens: int = 4096
+    batch_size: int = 32
+    temperature: float = 0.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Settings:
+    profile: str = "demo"
+    base_model: str = "demo"  # "demo" | "tiny" | an HF model id | a local path
+    tasks: TaskSettings = field(default_factory=TaskSettings)
+    warmstart: WarmStartSettings = field(default_factory=WarmStartSettings)
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)
+
+    def section_hash(self, name: str) -> str:
+        """A short stable hash of one settings section, for ``code_version``."""
+        return stable_hash(dataclasses.asdict(getattr(self, name)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+TINY = Settings(
+    profile="tiny",
+    base_model="tiny",
+    tasks=TaskSettings(demo_per_family=1, train_per_family=1, test_per_family=1),
+    warmstart=WarmStartSettings(epochs=1, batch_size=4, max_length=1024),
+    rollout=RolloutSettings(max_steps=4, max_new_tokens=24, max_context_tokens=2048),
+)
+PROFILES = {"demo": Settings(), "tiny": TINY}
+
+
+def stable_hash(obj: Any, n: int = 16) -> str:
+    """sha256 of the canonical JSON of ``obj``, truncated to ``n`` hex characters."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:n]
+
+
+def _override(obj: Any, values: dict[str, Any], where: str) -> Any:
+    known = {f.name: f for f in fields(obj)}
+    changes = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ValueError(f"{where}: unknown setting {key!r}; known: {sorted(known)}")
+        current = getattr(obj, key)
+        if is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ValueError(f"{where}: [{key}] must be a table")
+            changes[key] = _override(current, value, f"{where}.{key}")
+        else:
+            changes[key] = value
+    return replace(obj, **changes)
+
+
+def load_settings(profile: str | None = None, config_file: str | Path | None = None) -> Settings:
+    """Settings for ``profile`` (default ``$TRACE_PROFILE`` or ``demo``) with TOML overrides."""
+    profile = profile or os.environ.get("TRACE_PROFILE", "demo")
+    if profile not in PROFILES:
+        raise ValueError(f"TRACE_PROFILE={profile!r} is not one of {sorted(PROFILES)}")
+    settings = PROFILES[profile]
+    config_file = config_file or os.environ.get("TRACE_CONFIG")
+    if config_file:
+        path = Path(config_file)
+        with path.open("rb") as fh:
+            settings = _override(settings, tomllib.load(fh), str(path))
+    return settings

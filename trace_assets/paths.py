@@ -27,6 +27,12 @@ def sub(*parts: str) -> Path:
 
 
 def models_dir() -> Path:
+    """The model cache. ``TRACE_MODELS_DIR`` lets several data folders (tests) share one cache."""
+    override = os.environ.get("TRACE_MODELS_DIR")
+    if override:
+        path = Path(override).expanduser().resolve()
+        path.mkdir(parents=True, exist_ok=True)
+        return path
     return sub("models")
 
 

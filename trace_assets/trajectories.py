@@ -245,3 +245,21 @@ def import_file(path: str | Path, store: Any, *, move_bad: bool = False, quarant
     if errors:
         report.quarantined_to = str(quarantine(path, errors, move=move_bad, folder=quarantine_folder))
     return report
+
+
+def render_markdown(messages: list[dict[str, Any]], *, max_chars: int = 4000) -> str:
+    """A readable transcript for asset metadata: one line per message, tool calls inlined."""
+    lines = []
+    for message in messages:
+        role = message["role"]
+        if role == "system":
+            lines.append(f"**system**: _{len(message.get('content') or '')} characters of policy_")
+            continue
+        text = (message.get("content") or "").strip().replace("\n", " ")
+        for call in message.get("tool_calls") or []:
+            fn = call["function"]
+            args = fn["arguments"] if isinstance(fn["arguments"], str) else json.dumps(fn["arguments"])
+            text += f" `{fn['name']}({args})`"
+        lines.append(f"**{role}**: {text.strip()}")
+    out = "\n\n".join(lines)
+    return out if len(out) <= max_chars else out[: max_chars - 20] + "\n\n_…truncated…_"

@@ -1,0 +1,156 @@
+"""The demo base agent: a short LoRA SFT of the raw model on scripted expert demonstrations.
+
+The raw 135M SmolLM2 makes no valid tool calls, so TRACE would have nothing to contrast. This
+module turns it into a real but imperfect agent, the way DESIGN.md measured:
+
+* demonstrations come from the scripted expert (``envs.retail.expert.demonstrate``) playing the
+  train split's *demo* tasks through a real episode, so every demo reaches reward 1;
+* the loss covers assistant tokens only (system, user and tool tokens are context);
+* LoRA r16 on all projections, AdamW, bf16 autocast where the CPU supports it; the adapter is then
+  merged (W' = W + BA) and the result saved as a plain HF folder, the frozen base of Steps 2-4.
+
+Imperfection is not injected: the model is small and the warm-start short. ``confirm_rate`` < 1
+additionally lets a share of demos skip the confirmation question (off by default).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from trace_assets.agent.lora import add_lora, autocast, bf16_supported, lora_config, merge_and_save, token_logprobs
+from trace_assets.envs.base import Environment, Message, Task
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WarmStartReport:
+    n_demos: int
+    n_tokens: int
+    n_target_tokens: int
+    epochs: int
+    steps: int
+    train_time_s: float
+    bf16: bool
+    losses: list[float] = field(default_factory=list)
+    demo_families: dict[str, int] = field(default_factory=dict)
+
+
+def demonstrations(env: Environment, tasks: Sequence[Task], *, confirm_rate: float, seed: int) -> list[list[Message]]:
+    """One expert conversation per task; a ``1 - confirm_rate`` share skips confirmations."""
+    from trace_assets.envs.retail.expert import demonstrate
+
+    rng = random.Random(seed)
+    demos = []
+    for task in tasks:
+        messages, result = demonstrate(env, task, confirm=rng.random() < confirm_rate)
+        if not result.success:
+            log.warning("expert demo for %s did not succeed (reward %.2f); kept anyway", task.task_id, result.reward)
+        demos.append(messages)
+    return demos
+
+
+def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[Message], tools: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of what the assistant wrote.
+
+    Each span starts after ``<|im_start|>assistant\\n`` and ends after ``<|im_end|>``, so the
+    model also learns when to stop.
+    """
+    render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=gen)
+    text = render(messages, False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = len(render(messages[:i], True))
+        end = len(render(messages[: i + 1], False).rstrip("\n"))
+        spans.append((start, end))
+    return text, spans
+
+
+def tokenize_demo(tokenizer: PreTrainedTokenizerBase, messages: list[Message], tools: list[dict], max_length: int) -> tuple[list[int], list[int]]:
+    """Token ids and a 0/1 target mask (1 on assistant-written tokens), truncated to ``max_length``."""
+    text, spans = assistant_spans(tokenizer, messages, tools)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(s <= a < e for s, e in spans)) for a, _ in enc["offset_mapping"]]
+    return enc["input_ids"][:max_length], mask[:max_length]
+
+
+def train_warmstart(
+    model_source: str,
+    env: Environment,
+    tasks: Sequence[Task],
+    out_dir: Path,
+    *,
+    epochs: int = 2,
+    lr: float = 2e-4,
+    lora_r: int = 16,
+    lora_alpha: int = 32,
+    batch_size: int = 8,
+    confirm_rate: float = 1.0,
+    max_length: int = 1536,
+    seed: int = 0,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> WarmStartReport:
+    """SFT ``model_source`` on expert demos of ``tasks``; save the merged agent to ``out_dir``."""
+    from trace_assets.agent.model import load_model
+
+    torch.manual_seed(seed)
+    model, tokenizer = load_model(model_source)
+    tools = env.tool_schemas()
+    demos = demonstrations(env, tasks, confirm_rate=confirm_rate, seed=seed)
+    examples = [tokenize_demo(tokenizer, demo, tools, max_length) for demo in demos]
+    peft_model = add_lora(model, lora_config(r=lora_r, alpha=lora_alpha))
+    peft_model.train()
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=lr)
+    use_bf16 = bf16_supported()
+    pad = tokenizer.pad_token_id
+    rng = random.Random(seed)
+    steps_per_epoch = (len(examples) + batch_size - 1) // batch_size
+    total = steps_per_epoch * epochs
+    report = WarmStartReport(
+        n_demos=len(examples), n_tokens=sum(len(ids) for ids, _ in examples),
+        n_target_tokens=sum(sum(m) for _, m in examples), epochs=epochs, steps=total,
+        train_time_s=0.0, bf16=use_bf16,
+        demo_families={f: sum(t.family == f for t in tasks) for f in sorted({t.family for t in tasks})},
+    )
+    start = time.perf_counter()
+    step = 0
+    for _ in range(epochs):
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        for b in range(0, len(order), batch_size):
+            batch = [examples[i] for i in order[b : b + batch_size]]
+            width = max(len(ids) for ids, _ in batch)
+            ids = torch.tensor([x + [pad] * (width - len(x)) for x, _ in batch])
+            att = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in batch])
+            tgt = torch.tensor([m + [0] * (width - len(m)) for _, m in batch])
+            with autocast(use_bf16):
+                loss = -token_logprobs(peft_model, ids, att, tgt).mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(peft_model.parameters(), 1.0)
+            optimizer.step()
+            step += 1
+            report.losses.append(round(float(loss), 4))
+            if progress:
+                progress(step, total, float(loss))
+    report.train_time_s = round(time.perf_counter() - start, 1)
+    peft_model.eval()
+    merge_and_save(peft_model, tokenizer, out_dir)
+    return report
+
+
+def report_dict(report: WarmStartReport) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(report)

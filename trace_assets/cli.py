@@ -1,0 +1,157 @@
+"""The ``trace`` command line: provision models, run the demo, import trajectories.
+
+``trace demo`` materializes the main job into the persistent Dagster instance (``DAGSTER_HOME``,
+the repo root by default, whose ``dagster.yaml`` keeps storage under the data folder). It only
+runs what is missing or stale, in waves, so a second run without changes recomputes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from trace_assets import paths
+
+console = Console()
+
+
+def _instance_env() -> None:
+    os.environ.setdefault("DAGSTER_HOME", str(paths.REPO_ROOT))
+    os.environ.setdefault("TRACE_DAGSTER_DIR", str(paths.sub("dagster")))
+
+
+def cmd_provision(args: argparse.Namespace) -> int:
+    from trace_assets.agent.model import resolve_model
+
+    for source in args.models:
+        start = time.perf_counter()
+        with console.status(f"provisioning {source}…"):
+            path = resolve_model(source)
+        console.print(f"[green]✓[/] {source} → {path} ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from resources.store import TraceStore
+    from trace_assets.trajectories import import_file
+
+    store = TraceStore()
+    failed = 0
+    for file in args.files:
+        report = import_file(Path(file), store)
+        colour = "green" if report.ok else "red"
+        console.print(f"[{colour}]{report.summary()}[/]")
+        for error in report.errors[:20]:
+            console.print(f"  {error}")
+        failed += not report.ok
+    return 1 if failed else 0
+
+
+def stale_keys(defs, instance) -> tuple[list, bool]:
+    """Asset keys that are missing or stale, and whether any is missing."""
+    from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
+
+    graph = defs.resolve_asset_graph()
+    resolver = CachingStaleStatusResolver(instance=instance, asset_graph=graph)
+    statuses = {key: resolver.get_status(key) for key in graph.materializable_asset_keys}
+    stale = [k for k, s in statuses.items() if s != StaleStatus.FRESH]
+    return stale, any(statuses[k] == StaleStatus.MISSING for k in stale)
+
+
+def run_stale(defs, instance, job_name: str, *, max_waves: int = 20) -> list[str]:
+    """Materialize missing/stale assets until everything is fresh; return the run ids."""
+    graph = defs.resolve_asset_graph()
+    job = defs.resolve_job_def(job_name)
+    run_ids = []
+    for _ in range(max_waves):
+        stale, any_missing = stale_keys(defs, instance)
+        if not stale:
+            break
+        if any_missing:
+            selection = stale
+        else:  # only the roots of staleness: downstream may stay fresh if data versions hold
+            stale_set = set(stale)
+            selection = [k for k in stale if not (graph.get(k).ancestor_keys - {k}) & stale_set]
+        console.rule(f"materializing {', '.join(k.to_user_string() for k in selection)}")
+        result = job.execute_in_process(instance=instance, asset_selection=selection, raise_on_error=True)
+        run_ids.append(result.run_id)
+    return run_ids
+
+
+def print_summary(defs, instance, run_ids: list[str], wall_s: float) -> None:
+    from dagster import DagsterEventType, EventRecordsFilter
+
+    table = Table(title="TRACE demo: asset materializations")
+    table.add_column("asset")
+    table.add_column("wall time (s)", justify="right")
+    table.add_column("key figures")
+    for key in defs.resolve_asset_graph().toposorted_asset_keys:
+        event = instance.get_latest_materialization_event(key)
+        if event is None:
+            continue
+        mat = event.asset_materialization
+        md = mat.metadata
+        figures = ", ".join(
+            f"{k}={v.value}" for k, v in md.items()
+            if k in ("n_train", "n_test", "demos", "train_time_s", "episodes", "n_d_plus", "n_d_minus", "generated_tokens")
+        )
+        duration = ""
+        if event.run_id in run_ids:
+            records = instance.get_event_records(
+                EventRecordsFilter(event_type=DagsterEventType.STEP_SUCCESS), limit=200
+            )
+            for rec in records:
+                entry = rec.event_log_entry
+                if entry.run_id == event.run_id and entry.step_key == key.to_python_identifier():
+                    duration = f"{entry.dagster_event.event_specific_data.duration_ms / 1000:.1f}"
+        else:
+            duration = "fresh"
+        table.add_row(key.to_user_string(), duration, figures)
+    console.print(table)
+    for key_name in ("base_trajectories",):
+        from dagster import AssetKey
+
+        event = instance.get_latest_materialization_event(AssetKey(key_name))
+        if event and "success_by_family" in event.asset_materialization.metadata:
+            console.print(f"\n[bold]{key_name}: success by family[/]")
+            console.print(event.asset_materialization.metadata["success_by_family"].value)
+    console.print(f"\n[bold]demo wall time: {wall_s / 60:.1f} min[/]; runs: {', '.join(run_ids) or 'none (all fresh)'}")
+    console.print(f"Open the same instance in the UI with [bold]make ui[/] (DAGSTER_HOME={os.environ['DAGSTER_HOME']}).")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    _instance_env()
+    from dagster import DagsterInstance
+
+    from trace_assets.definitions import MAIN_JOB, defs
+
+    start = time.perf_counter()
+    instance = DagsterInstance.get()
+    run_ids = run_stale(defs, instance, MAIN_JOB)
+    print_summary(defs, instance, run_ids, time.perf_counter() - start)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="trace", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("provision", help="convert/cache models (demo, tiny, or an HF id/path)")
+    p.add_argument("models", nargs="*", default=["demo", "tiny"])
+    p.set_defaults(func=cmd_provision)
+    p = sub.add_parser("demo", help="materialize the main job (only what is missing or stale)")
+    p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("import", help="validate and import JSONL/Parquet trajectory files")
+    p.add_argument("files", nargs="+")
+    p.set_defaults(func=cmd_import)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

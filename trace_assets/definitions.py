@@ -1,0 +1,34 @@
+"""The Dagster code location: ``defs`` is what ``dagster dev`` and ``make demo`` load.
+
+``build_definitions(settings)`` is the factory; tests call it with the ``tiny`` profile.
+"""
+
+from __future__ import annotations
+
+from dagster import AssetSelection, Definitions, FilesystemIOManager, define_asset_job
+
+from resources.models import ModelResource
+from resources.store import TraceStore
+from trace_assets import paths
+from trace_assets.assets.foundation import build_foundation_assets
+from trace_assets.settings import Settings, load_settings
+
+MAIN_JOB = "trace_main"
+
+
+def build_definitions(settings: Settings | None = None) -> Definitions:
+    settings = settings or load_settings()
+    assets = [*build_foundation_assets(settings)]
+    main_job = define_asset_job(MAIN_JOB, selection=AssetSelection.all(), description="The whole TRACE loop.")
+    return Definitions(
+        assets=assets,
+        jobs=[main_job],
+        resources={
+            "models": ModelResource(base_model=settings.base_model, generation_batch_size=settings.rollout.batch_size),
+            "store": TraceStore(),
+            "io_manager": FilesystemIOManager(base_dir=str(paths.sub("dagster", "io"))),
+        },
+    )
+
+
+defs = build_definitions()

@@ -46,6 +46,26 @@ CREATE TABLE IF NOT EXISTS trajectories (
     source        VARCHAR NOT NULL,
     created_at    TIMESTAMPTZ NOT NULL
 );
+CREATE TABLE IF NOT EXISTS labels (
+    trajectory_id      VARCHAR NOT NULL,
+    capability         VARCHAR NOT NULL,
+    run                INTEGER NOT NULL,
+    label              VARCHAR NOT NULL CHECK (label IN ('NA', 'PRESENT', 'LACKING')),
+    rationale          VARCHAR NOT NULL,
+    analyst            VARCHAR NOT NULL,
+    dictionary_version VARCHAR NOT NULL,
+    created_at         TIMESTAMPTZ NOT NULL,
+    PRIMARY KEY (trajectory_id, capability, run, dictionary_version)
+);
+CREATE TABLE IF NOT EXISTS label_errors (
+    trajectory_id      VARCHAR NOT NULL,
+    capability         VARCHAR NOT NULL,
+    run                INTEGER NOT NULL,
+    error              VARCHAR NOT NULL,
+    analyst            VARCHAR NOT NULL,
+    dictionary_version VARCHAR NOT NULL,
+    created_at         TIMESTAMPTZ NOT NULL
+);
 """
 
 
@@ -120,6 +140,43 @@ class TraceStore(ConfigurableResource):
                 f"COPY (SELECT * FROM new_rows WHERE env = ?) TO '{tmp}' (FORMAT parquet)", [env]
             )
             tmp.replace(final)
+
+    def insert_labels(self, rows: Sequence[tuple], *, analyst: str, version: str) -> int:
+        """Insert ``(trajectory_id, capability, run, label, rationale)`` rows; return how many were
+        new. Labels already stored for the same key are kept as they are (never overwritten)."""
+        if not rows:
+            return 0
+        frame = pl.DataFrame(
+            [(*r, analyst, version) for r in rows], orient="row",
+            schema=["trajectory_id", "capability", "run", "label", "rationale", "analyst", "dictionary_version"],
+        )
+        with self.connect() as conn:
+            conn.register("batch", frame.to_arrow())
+            before = conn.execute("SELECT count(*) FROM labels").fetchone()[0]
+            conn.execute(
+                "INSERT OR IGNORE INTO labels SELECT trajectory_id, capability, CAST(run AS INTEGER), label, "
+                "rationale, analyst, dictionary_version, now() FROM batch"
+            )
+            after = conn.execute("SELECT count(*) FROM labels").fetchone()[0]
+            conn.unregister("batch")
+        return int(after - before)
+
+    def insert_label_errors(self, rows: Sequence[tuple], *, analyst: str, version: str) -> None:
+        """Record ``(trajectory_id, capability, run, error)`` rows of failed labelling attempts."""
+        if not rows:
+            return
+        with self.connect() as conn:
+            conn.executemany(
+                "INSERT INTO label_errors VALUES (?, ?, ?, ?, ?, ?, now())",
+                [(*r, analyst, version) for r in rows],
+            )
+
+    def labelled_keys(self, version: str) -> set[tuple[str, str, int]]:
+        """The (trajectory_id, capability, run) keys already labelled for a dictionary version."""
+        frame = self.query(
+            "SELECT trajectory_id, capability, run FROM labels WHERE dictionary_version = ?", [version]
+        )
+        return set(frame.iter_rows())
 
     def query(self, sql: str, params: Sequence[Any] | None = None) -> pl.DataFrame:
         """Run a read query and return a polars frame."""

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from dagster import AssetSelection, Definitions, FilesystemIOManager, define_asset_job
 
+from resources.analyst import AnalystResource
 from resources.models import ModelResource
 from resources.store import TraceStore
 from trace_assets import paths
 from trace_assets.assets.foundation import build_foundation_assets
+from trace_assets.assets.identify import build_identify_assets
 from trace_assets.settings import Settings, load_settings
 
 MAIN_JOB = "trace_main"
@@ -18,17 +20,30 @@ MAIN_JOB = "trace_main"
 
 def build_definitions(settings: Settings | None = None) -> Definitions:
     settings = settings or load_settings()
-    assets = [*build_foundation_assets(settings)]
+    identify = build_identify_assets(settings)
+    assets = [a for a in [*build_foundation_assets(settings), *identify] if not _is_check(a)]
+    checks = [a for a in identify if _is_check(a)]
     main_job = define_asset_job(MAIN_JOB, selection=AssetSelection.all(), description="The whole TRACE loop.")
     return Definitions(
         assets=assets,
+        asset_checks=checks,
         jobs=[main_job],
         resources={
             "models": ModelResource(base_model=settings.base_model, generation_batch_size=settings.rollout.batch_size),
             "store": TraceStore(),
+            "analyst": AnalystResource(
+                kind=settings.analyst.kind, base_url=settings.analyst.base_url, model=settings.analyst.model,
+                temperature=settings.analyst.temperature, max_retries=settings.analyst.max_retries,
+            ),
             "io_manager": FilesystemIOManager(base_dir=str(paths.sub("dagster", "io"))),
         },
     )
+
+
+def _is_check(obj) -> bool:
+    from dagster import AssetChecksDefinition
+
+    return isinstance(obj, AssetChecksDefinition)
 
 
 defs = build_definitions()

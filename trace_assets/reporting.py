@@ -31,3 +31,57 @@ def success_by_family(records: Iterable[dict[str, Any]]) -> pl.DataFrame:
     by_family = frame.group_by("split", "family").agg(agg)
     overall = frame.group_by("split").agg(agg).with_columns(pl.lit("ALL").alias("family")).select(by_family.columns)
     return pl.concat([by_family, overall]).sort("split", pl.col("family") == "ALL", "family")
+
+
+def delta_cov_scatter(summary: pl.DataFrame, *, delta: float | None = None, rho: float | None = None, title: str = "") -> bytes:
+    """PNG scatter of mean Delta (x) against mean Cov (y), one labelled point per capability,
+    with the delta and rho threshold lines when given."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.8), dpi=100)
+    for row in summary.iter_rows(named=True):
+        selected = row.get("selected")
+        ax.scatter(row["delta_mean"], row["cov_mean"], s=60,
+                   color="tab:green" if selected else ("tab:gray" if selected is False else "tab:blue"))
+        ax.annotate(row["capability"], (row["delta_mean"], row["cov_mean"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    if delta is not None:
+        ax.axvline(delta, color="tab:red", linestyle="--", label=f"δ = {delta}")
+    if rho is not None:
+        ax.axhline(rho, color="tab:orange", linestyle="--", label=f"ρ = {rho}")
+    ax.set_xlabel("Δ = ER− − ER+ (mean over runs)")
+    ax.set_ylabel("Cov = LACKING_F / |F| (mean over runs)")
+    ax.set_xlim(min(-0.05, summary["delta_mean"].min() or 0) - 0.05, 1.05)
+    ax.set_ylim(-0.05, 1.05)
+    ax.grid(alpha=0.3)
+    if delta is not None or rho is not None:
+        ax.legend(loc="lower right")
+    ax.set_title(title or "capabilities: contrast against coverage")
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def png_metadata(png: bytes, name: str) -> dict[str, Any]:
+    """Save ``png`` under ``<data>/reports/`` and return Dagster metadata: its path and an inline
+    markdown image (the UI renders data-URI images)."""
+    import base64
+    import hashlib
+
+    from dagster import MetadataValue
+
+    from trace_assets import paths
+
+    path = paths.sub("reports") / f"{name}_{hashlib.sha256(png).hexdigest()[:10]}.png"
+    path.write_bytes(png)
+    encoded = base64.b64encode(png).decode()
+    return {
+        f"{name}_png": MetadataValue.path(str(path)),
+        f"{name}": MetadataValue.md(f"![{name}](data:image/png;base64,{encoded})"),
+    }

@@ -64,12 +64,55 @@ class RolloutSettings:
 
 
 @dataclass(frozen=True)
+class AnalystSettings:
+    """Step 1's analyst. ``heuristic`` is offline and deterministic; ``llm`` calls an
+    OpenAI-compatible endpoint (key from ``$TRACE_LLM_API_KEY``, never stored in settings)."""
+
+    kind: str = "heuristic"
+    base_url: str = "http://127.0.0.1:8000/v1"
+    model: str = "demo"
+    temperature: float = 0.7
+    runs: int = 0  # N; 0 = the method's default: 1 for heuristic, 10 for llm
+    max_retries: int = 2
+    max_error_share: float = 0.05  # label_matrix fails above this share of failed pairs
+
+    @property
+    def n_runs(self) -> int:
+        return self.runs or (1 if self.kind == "heuristic" else 10)
+
+
+@dataclass(frozen=True)
+class SelectionSettings:
+    """How C* is selected: Delta >= delta and Cov >= rho in at least K of N runs, or a
+    significance test on Delta (``method = "ztest"`` or ``"bootstrap"``) at level ``alpha``."""
+
+    delta: float = 0.20
+    rho: float = 0.10
+    min_runs: int = 0  # K; 0 = the default: 1 for heuristic, 8 for llm
+    method: str = "threshold"
+    alpha: float = 0.05
+
+
+@dataclass(frozen=True)
 class Settings:
     profile: str = "demo"
     base_model: str = "demo"  # "demo" | "tiny" | an HF model id | a local path
     tasks: TaskSettings = field(default_factory=TaskSettings)
     warmstart: WarmStartSettings = field(default_factory=WarmStartSettings)
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
+    analyst: AnalystSettings = field(default_factory=AnalystSettings)
+    selection: SelectionSettings = field(default_factory=SelectionSettings)
+
+    def selection_rule(self):
+        """The ``SelectionRule`` for these settings, K and N defaulted by the analyst kind."""
+        from trace_assets.identify.stats import SelectionRule
+
+        n = self.analyst.n_runs
+        k = self.selection.min_runs or (1 if self.analyst.kind == "heuristic" else min(8, n))
+        return SelectionRule(
+            delta=self.selection.delta, rho=self.selection.rho, runs=n, min_runs_passed=k,
+            method=self.selection.method, alpha=self.selection.alpha,
+        )
 
     def section_hash(self, name: str) -> str:
         """A short stable hash of one settings section, for ``code_version``."""

@@ -5,7 +5,6 @@ returns a data version derived from its content, and carries the hash of the set
 it in ``code_version``, so that only what a change touches becomes stale.
 """
 
-from __future__ import annotations
 
 import hashlib
 import json

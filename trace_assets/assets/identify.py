@@ -1,0 +1,296 @@
+"""Step 1 assets: capability_dictionary -> label_matrix -> capability_stats -> selected_capabilities
+(C*) -> capability_spec (partitioned by capability; the firewall).
+
+Staleness is designed so that changing delta or rho re-materializes only ``selected_capabilities``:
+the thresholds live in its ``code_version`` and nowhere upstream, it makes no analyst call, and a
+capability whose spec did not change keeps the same ``capability_spec`` data version, so nothing
+downstream of it becomes stale.
+"""
+
+
+from typing import Any
+
+import polars as pl
+from dagster import (
+    AssetCheckResult,
+    AssetCheckSeverity,
+    AssetExecutionContext,
+    AssetKey,
+    AssetsDefinition,
+    AssetCheckSpec,
+    DataVersion,
+    DynamicPartitionsDefinition,
+    Failure,
+    MetadataValue,
+    Output,
+    asset,
+    asset_check,
+)
+
+from resources.analyst import AnalystResource
+from resources.store import TraceStore
+from trace_assets.identify.capabilities import Capability, dictionary_version
+from trace_assets.identify.stats import aggregate, run_stats_sql, select
+from trace_assets.reporting import delta_cov_scatter, png_metadata, to_markdown
+from trace_assets.settings import Settings, stable_hash
+
+GROUP = "identify"
+capability_partitions = DynamicPartitionsDefinition(name="capability")
+
+
+def analyst_identity(settings: Settings) -> dict[str, Any]:
+    """What makes two analysts interchangeable: kind, model and prompt version (not the key)."""
+    a = settings.analyst
+    identity: dict[str, Any] = {"kind": a.kind}
+    if a.kind == "llm":
+        from trace_assets.identify.llm_analyst import prompts_hash
+
+        identity.update(model=a.model, temperature=a.temperature, prompts=prompts_hash())
+    return identity
+
+
+def _trajectories(store: TraceStore, ids: list[str]) -> list[dict[str, Any]]:
+    wanted = set(ids)
+    return [t for t in store.trajectories(split="train") if t["trajectory_id"] in wanted]
+
+
+def _outcomes(splits: dict[str, list[str]]) -> pl.DataFrame:
+    return pl.DataFrame(
+        {"trajectory_id": splits["d_plus"] + splits["d_minus"],
+         "success": [True] * len(splits["d_plus"]) + [False] * len(splits["d_minus"])},
+        schema={"trajectory_id": pl.String, "success": pl.Boolean},
+    )
+
+
+def build_identify_assets(settings: Settings) -> list:
+    rule = settings.selection_rule()
+    n_runs = settings.analyst.n_runs
+    identity = analyst_identity(settings)
+
+    @asset(group_name=GROUP, code_version=stable_hash(identity), kinds={"python"})
+    def capability_dictionary(
+        context: AssetExecutionContext, analyst: AnalystResource, store: TraceStore, trajectory_splits: dict
+    ) -> Output[dict[str, Any]]:
+        """Phase 1: the analyst induces at most 10 capabilities from D+ and D-.
+
+        Versioned by a hash of its content; labels are keyed by that version.
+        """
+        impl = analyst.build()
+        d_plus = _trajectories(store, trajectory_splits["d_plus"])
+        d_minus = _trajectories(store, trajectory_splits["d_minus"])
+        capabilities = impl.induce(d_plus, d_minus)
+        version = dictionary_version(capabilities)
+        table = pl.DataFrame([
+            {"name": c.name, "description": c.description, "failure_modes": "; ".join(c.failure_modes),
+             "examples": ", ".join(c.example_trajectory_ids[:3])}
+            for c in capabilities
+        ]) if capabilities else pl.DataFrame()
+        return Output(
+            {"version": version, "analyst": impl.name, "capabilities": [c.to_dict() for c in capabilities]},
+            data_version=DataVersion(version),
+            metadata={
+                "dictionary_version": version, "analyst": impl.name, "n_capabilities": len(capabilities),
+                "analyst_calls": impl.calls,
+                "capabilities": MetadataValue.md(to_markdown(table) if capabilities else "_none_"),
+            },
+        )
+
+    @asset(
+        group_name=GROUP, code_version=stable_hash([identity, n_runs]), kinds={"duckdb"},
+        check_specs=[AssetCheckSpec("label_completeness", asset="label_matrix", blocking=True,
+                                    description="Every trajectory x capability x run is labelled.")],
+    )
+    def label_matrix(
+        context: AssetExecutionContext, analyst: AnalystResource, store: TraceStore,
+        trajectory_splits: dict, capability_dictionary: dict,
+    ):
+        """Phase 2: NA / PRESENT / LACKING for every (trajectory, capability, run), in DuckDB ``labels``.
+
+        Incremental: only keys not yet labelled for the current dictionary version go to the
+        analyst. Invalid analyst output is retried, then recorded in ``label_errors``; the asset
+        fails, naming trajectories and capabilities, when errors exceed ``max_error_share``.
+        """
+        from trace_assets.llm import LLMError
+
+        impl = analyst.build()
+        version = capability_dictionary["version"]
+        capabilities = [Capability.from_dict(c) for c in capability_dictionary["capabilities"]]
+        ids = trajectory_splits["d_plus"] + trajectory_splits["d_minus"]
+        done = store.labelled_keys(version)
+        pending = [
+            (tid, run) for tid in ids for run in range(n_runs)
+            if any((tid, c.name, run) not in done for c in capabilities)
+        ]
+        by_id = {t["trajectory_id"]: t for t in _trajectories(store, sorted({tid for tid, _ in pending}))}
+        context.log.info(f"{len(pending)} (trajectory, run) pairs to label of {len(ids) * n_runs}; {len(done)} labels reused")
+        new_rows, errors = [], []
+        for i, (tid, run) in enumerate(pending, start=1):
+            try:
+                labels = impl.label(by_id[tid], capabilities, run)
+                new_rows.extend((l.trajectory_id, l.capability, l.run, l.label, l.rationale) for l in labels)
+            except LLMError as exc:
+                errors.extend((tid, c.name, run, str(exc)[:500]) for c in capabilities)
+            if i % 50 == 0 or i == len(pending):
+                context.log.info(f"labelled {i}/{len(pending)} pairs")
+                store.insert_labels(new_rows, analyst=impl.name, version=version)  # keep progress
+                new_rows = []
+        store.insert_labels(new_rows, analyst=impl.name, version=version)
+        store.insert_label_errors(errors, analyst=impl.name, version=version)
+        expected = len(ids) * len(capabilities) * n_runs
+        share = len(errors) / expected if expected else 0.0
+        if share > settings.analyst.max_error_share:
+            sample = ", ".join(f"{t}/{c} (run {r}): {e[:120]}" for t, c, r, e in errors[:5])
+            raise Failure(
+                f"label_matrix: {len(errors)} of {expected} pairs failed ({share:.1%} > "
+                f"{settings.analyst.max_error_share:.0%}); first: {sample}. Stored labels are kept."
+            )
+        labelled = store.query(
+            "SELECT count(*) AS n, md5(string_agg(trajectory_id || capability || run || label, ',' "
+            "ORDER BY trajectory_id, capability, run)) AS h FROM labels WHERE dictionary_version = ? "
+            "AND trajectory_id IN (SELECT unnest(?::VARCHAR[]))", [version, ids],
+        ).row(0, named=True)
+        counts = store.query(
+            "SELECT capability, label, count(*) AS n FROM labels WHERE dictionary_version = ? "
+            "AND trajectory_id IN (SELECT unnest(?::VARCHAR[])) GROUP BY ALL ORDER BY ALL", [version, ids],
+        ).pivot(on="label", index="capability", values="n").fill_null(0)
+        yield Output(
+            {"dictionary_version": version, "runs": n_runs, "n_labels": labelled["n"]},
+            data_version=DataVersion(stable_hash([version, labelled["h"]])),
+            metadata={
+                "analyst_calls": impl.calls, "pairs_sent": len(pending), "labels_reused": len(done),
+                "labels": labelled["n"], "expected_labels": expected, "errors": len(errors),
+                "label_counts": MetadataValue.md(to_markdown(counts)),
+            },
+        )
+        yield AssetCheckResult(
+            check_name="label_completeness", passed=labelled["n"] == expected,
+            metadata={"labelled": labelled["n"], "expected": expected},
+        )
+
+    @asset(group_name=GROUP, kinds={"duckdb", "polars"})
+    def capability_stats(
+        context: AssetExecutionContext, store: TraceStore, trajectory_splits: dict,
+        capability_dictionary: dict, label_matrix: dict,
+    ) -> Output[dict[str, pl.DataFrame]]:
+        """ER+, ER-, Delta, Cov and the six counts per run and capability (SQL in DuckDB), and
+        their mean and std over runs. Thresholds are not applied here (see selected_capabilities)."""
+        outcomes = _outcomes(trajectory_splits)
+        with store.connect() as conn:
+            conn.register("outcomes", outcomes.to_arrow())
+            runs = run_stats_sql(conn, capability_dictionary["version"])
+            conn.execute("CREATE OR REPLACE TABLE capability_run_stats AS SELECT ?::VARCHAR AS dictionary_version, * FROM runs",
+                         [capability_dictionary["version"]])
+        summary = aggregate(runs) if runs.height else pl.DataFrame()
+        metadata: dict[str, Any] = {
+            "per_run": MetadataValue.md(to_markdown(runs.drop("total_failed", "total_passed")) if runs.height else "_no labels_"),
+            "summary": MetadataValue.md(to_markdown(summary) if summary.height else "_no labels_"),
+            "total_failed": len(trajectory_splits["d_minus"]), "total_passed": len(trajectory_splits["d_plus"]),
+        }
+        if summary.height:
+            metadata.update(png_metadata(delta_cov_scatter(summary, title="Δ against Cov"), "delta_cov_scatter"))
+        return Output(
+            {"runs": runs, "summary": summary},
+            data_version=DataVersion(stable_hash(runs.to_dicts())),
+            metadata=metadata,
+        )
+
+    @asset(
+        group_name=GROUP, code_version=stable_hash(rule.__dict__), kinds={"python"},
+        check_specs=[AssetCheckSpec("c_star_not_empty", asset="selected_capabilities",
+                                    description="Warns when no capability clears the thresholds.")],
+    )
+    def selected_capabilities(context: AssetExecutionContext, capability_stats: dict, capability_dictionary: dict):
+        """C*: capabilities with Delta >= delta and Cov >= rho in at least K of N runs (or the
+        significance alternative, reported side by side). Registers their ``capability`` partitions.
+
+        Data version = hash(C*): the selected names and their specs.
+        """
+        runs, summary = capability_stats["runs"], capability_stats["summary"]
+        chosen = select(rule, runs) if runs.height else pl.DataFrame(schema={"capability": pl.String, "selected": pl.Boolean})
+        by_name = {c["name"]: Capability.from_dict(c) for c in capability_dictionary["capabilities"]}
+        table = summary.join(chosen, on="capability", how="left") if summary.height else chosen
+        selected = []
+        for row in table.filter(pl.col("selected")).sort("capability").iter_rows(named=True):
+            cap = by_name[row["capability"]]
+            failed_ids = cap.example_trajectory_ids
+            selected.append({
+                **cap.spec(),
+                "justification": {
+                    "delta_mean": row["delta_mean"], "cov_mean": row["cov_mean"],
+                    "runs_passed": row["runs_passed"], "runs": row["runs"],
+                    "example_failed_trajectory_ids": failed_ids,
+                },
+            })
+        names = [c["name"] for c in selected]
+        existing = set(context.instance.get_dynamic_partitions(capability_partitions.name))
+        new = [n for n in names if n not in existing]
+        if new:
+            context.instance.add_dynamic_partitions(capability_partitions.name, new)
+            context.log.info(f"registered capability partitions: {new}")
+        c_star_hash = stable_hash([{k: v for k, v in c.items() if k != "justification"} for c in selected])
+        metadata = {
+            "c_star": MetadataValue.json(names), "n_selected": len(names),
+            "thresholds": MetadataValue.json(rule.__dict__),
+            "selection": MetadataValue.md(to_markdown(table) if table.height else "_no capabilities_"),
+            "dictionary_version": capability_dictionary["version"],
+        }
+        if summary.height:
+            metadata.update(png_metadata(
+                delta_cov_scatter(table, delta=rule.delta if rule.method == "threshold" else None, rho=rule.rho,
+                                  title=f"C* = {len(names)} selected (green)"), "selection_scatter"))
+        yield Output(
+            {"capabilities": selected, "names": names, "rule": rule.__dict__, "dictionary_version": capability_dictionary["version"]},
+            data_version=DataVersion(c_star_hash), metadata=metadata,
+        )
+        yield AssetCheckResult(
+            check_name="c_star_not_empty", passed=bool(names), severity=AssetCheckSeverity.WARN,
+            description=None if names else "no capability cleared the thresholds: nothing will be trained",
+        )
+
+    @asset(group_name=GROUP, partitions_def=capability_partitions, kinds={"json"})
+    def capability_spec(context: AssetExecutionContext, selected_capabilities: dict, capability_dictionary: dict) -> Output[dict[str, Any]]:
+        """One capability's spec (name, description, failure modes): the firewall of DESIGN.md.
+
+        Its data version hashes this capability's spec alone, so a change elsewhere in C* leaves it,
+        and everything trained from it, fresh. A capability that left C* keeps its partition and
+        history; it is marked ``selected: false`` in metadata and no longer routed to.
+        """
+        name = context.partition_key
+        chosen = {c["name"]: c for c in selected_capabilities["capabilities"]}
+        known = {c["name"]: Capability.from_dict(c) for c in capability_dictionary["capabilities"]}
+        if name in chosen:
+            entry = chosen[name]
+            spec = {k: entry[k] for k in ("name", "description", "failure_modes")}
+            justification = entry["justification"]
+        elif name in known:
+            spec, justification = known[name].spec(), None
+        else:
+            raise Failure(f"capability {name!r} is in neither C* nor the current dictionary; its history is kept")
+        return Output(
+            spec,
+            data_version=DataVersion(stable_hash(spec)),
+            metadata={
+                "selected": name in chosen, "spec_hash": stable_hash(spec),
+                "c_star_data_version": stable_hash(selected_capabilities["names"]),
+                "justification": MetadataValue.json(justification or {}),
+                "thresholds": MetadataValue.json(selected_capabilities["rule"]),
+            },
+        )
+
+    @asset_check(asset=capability_stats, description="Every rate is in [0, 1] and the counts add up to |F| and |P|.")
+    def stats_sanity(capability_stats: dict) -> AssetCheckResult:
+        problems = []
+        for row in capability_stats["runs"].iter_rows(named=True):
+            where = f"{row['capability']} run {row['run']}"
+            for col in ("er_minus", "er_plus", "cov"):
+                if not 0.0 <= row[col] <= 1.0:
+                    problems.append(f"{where}: {col}={row[col]}")
+            if row["lacking_f"] + row["present_f"] + row["na_f"] != row["total_failed"]:
+                problems.append(f"{where}: F counts do not add up to |F|={row['total_failed']}")
+            if row["lacking_p"] + row["present_p"] + row["na_p"] != row["total_passed"]:
+                problems.append(f"{where}: P counts do not add up to |P|={row['total_passed']}")
+            if abs(row["delta"] - (row["er_minus"] - row["er_plus"])) > 1e-9:
+                problems.append(f"{where}: delta != er_minus - er_plus")
+        return AssetCheckResult(passed=not problems, metadata={"problems": MetadataValue.json(problems[:20])})
+
+    return [capability_dictionary, label_matrix, capability_stats, selected_capabilities, capability_spec, stats_sanity]

@@ -1,0 +1,110 @@
+"""Capabilities and labels: the vocabulary of Step 1.
+
+Capability names come from an analyst (possibly an LLM) and become Dagster partition keys and path
+parts, so ``safe_capability_name`` is the single gate every name passes through: it normalises
+what can be normalised (case, spaces, dashes, accents) and rejects the rest (path traversal,
+empty or over-long names, non-latin scripts, collisions with another capability).
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from trace_assets.settings import stable_hash
+
+LABELS = ("NA", "PRESENT", "LACKING")
+NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]{1,47}$")
+MAX_CAPABILITIES = 10
+
+
+class CapabilityNameError(ValueError):
+    """A capability name that cannot be made safe, with the reason."""
+
+
+def safe_capability_name(raw: str, existing: set[str] | frozenset[str] = frozenset()) -> str:
+    """Normalise ``raw`` to a snake_case identifier or raise ``CapabilityNameError``.
+
+    Normalisation: NFKD-decompose and drop combining accents, lowercase, turn runs of spaces,
+    dashes and dots into ``_``. Rejected: anything with ``/``, ``\\`` or ``..``, characters outside
+    ``[a-z0-9_]`` after normalisation (other scripts, emoji, punctuation), names not starting with a
+    letter, longer than 48 characters, or equal to a name in ``existing``.
+    """
+    if not isinstance(raw, str) or not raw.strip():
+        raise CapabilityNameError("empty capability name")
+    if "/" in raw or "\\" in raw or ".." in raw or "\x00" in raw:
+        raise CapabilityNameError(f"capability name {raw!r} looks like a path")
+    text = unicodedata.normalize("NFKD", raw.strip())
+    text = "".join(ch for ch in text if not unicodedata.combining(ch)).lower()
+    text = re.sub(r"[\s\-.]+", "_", text).strip("_")
+    if not NAME_PATTERN.fullmatch(text):
+        raise CapabilityNameError(
+            f"capability name {raw!r} is not a safe identifier (normalised {text!r}; "
+            f"need {NAME_PATTERN.pattern})"
+        )
+    if text in existing:
+        raise CapabilityNameError(f"capability name {raw!r} collides with existing {text!r}")
+    return text
+
+
+@dataclass(frozen=True)
+class Capability:
+    """One entry of the capability dictionary."""
+
+    name: str
+    description: str
+    failure_modes: list[str] = field(default_factory=list)
+    example_trajectory_ids: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Capability":
+        return cls(
+            name=data["name"], description=data["description"],
+            failure_modes=list(data.get("failure_modes", [])),
+            example_trajectory_ids=list(data.get("example_trajectory_ids", [])),
+        )
+
+    def spec(self) -> dict[str, Any]:
+        """What Step 2 synthesizes from: the data version of this capability's ``capability_spec``.
+
+        Example ids are lineage, not spec: new examples must not make a trained adapter stale.
+        """
+        return {"name": self.name, "description": self.description, "failure_modes": sorted(self.failure_modes)}
+
+
+def validate_dictionary(raw: list[dict[str, Any]]) -> list[Capability]:
+    """Capabilities with safe, unique names; raises ``CapabilityNameError`` naming the culprit."""
+    if len(raw) > MAX_CAPABILITIES:
+        raise CapabilityNameError(f"{len(raw)} capabilities; at most {MAX_CAPABILITIES} are allowed")
+    seen: set[str] = set()
+    out = []
+    for item in raw:
+        name = safe_capability_name(item["name"], seen)
+        seen.add(name)
+        out.append(Capability.from_dict({**item, "name": name}))
+    return out
+
+
+def dictionary_version(capabilities: list[Capability]) -> str:
+    """The content hash that versions a dictionary (and keys its labels)."""
+    return stable_hash(sorted((c.to_dict() for c in capabilities), key=lambda d: d["name"]))
+
+
+@dataclass(frozen=True)
+class Label:
+    """One analyst judgement of one (trajectory, capability) pair in one labelling run."""
+
+    trajectory_id: str
+    capability: str
+    run: int
+    label: str
+    rationale: str
+
+    def __post_init__(self) -> None:
+        if self.label not in LABELS:
+            raise ValueError(f"label {self.label!r} for {self.trajectory_id}/{self.capability} is not one of {LABELS}")

@@ -1,0 +1,164 @@
+"""The offline, deterministic analyst: capabilities and labels from what the environment recorded.
+
+It reads only a trajectory's ``info`` (the fields ``EpisodeResult`` documents: actions with ok
+flags, tool errors, policy violations, authentication, confirmations, writes made and gold writes,
+missing required info), never its success flag, so the contrast between D+ and D- is earned.
+
+Each catalogue entry is a rule that returns NA, PRESENT or LACKING with a one-line rationale.
+``induce`` keeps only what actually occurs in the data: a candidate enters the dictionary when it
+is LACKING in at least one failed trajectory.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from trace_assets.identify.capabilities import Capability, Label
+
+Verdict = tuple[str, str]  # (label, rationale)
+
+GROUNDING_ERRORS = ("not found", "not in order", "not a variant", "not the user's", "not available", "same item", "same length")
+FORMAT_ERRORS = ("malformed tool call", "unknown tool", "missing argument", "unexpected argument", "must be a")
+
+
+def _violations(info: dict[str, Any], rule: str) -> list[str]:
+    return [v.get("detail", "") for v in info.get("policy_violations", []) if v.get("rule") == rule]
+
+
+def _errors(info: dict[str, Any], needles: tuple[str, ...]) -> list[str]:
+    return [e for e in info.get("tool_errors", []) if any(n in e.lower() for n in needles)]
+
+
+def authenticate_before_acting(info: dict[str, Any]) -> Verdict:
+    blocked = _violations(info, "auth_before_action")
+    if blocked:
+        return "LACKING", f"tried {blocked[0]} before authenticating the user"
+    if not info.get("authenticated"):
+        return "LACKING", "never authenticated the user"
+    return "PRESENT", "authenticated the user before account actions"
+
+
+def confirm_before_writing(info: dict[str, Any]) -> Verdict:
+    unconfirmed = _violations(info, "confirm_before_write")
+    if unconfirmed:
+        return "LACKING", f"wrote without explicit confirmation: {unconfirmed[0][:80]}"
+    if info.get("gold_writes") and not info.get("confirmations"):
+        return "LACKING", "a write was needed but the user was never asked to confirm"
+    if not info.get("n_writes") and not info.get("confirmations"):
+        return "NA", "no write was made or discussed"
+    return "PRESENT", "asked for explicit confirmation before writing"
+
+
+def ground_arguments(info: dict[str, Any]) -> Verdict:
+    if not info.get("actions"):
+        return "NA", "made no tool calls"
+    bad = _errors(info, GROUNDING_ERRORS)
+    if bad:
+        return "LACKING", f"used an argument not grounded in retrieved data: {bad[0][:80]}"
+    return "PRESENT", "tool arguments matched retrieved data"
+
+
+def complete_multistep_transactions(info: dict[str, Any]) -> Verdict:
+    gold = Counter(info.get("gold_writes", []))
+    if sum(gold.values()) < 2:
+        return "NA", "the task needs fewer than two writes"
+    done = Counter(a["name"] for a in info.get("actions", []) if a.get("ok") and a["name"] in gold)
+    missing = gold - done
+    if missing:
+        return "LACKING", f"left the transaction unfinished: missing {', '.join(sorted(missing))}"
+    return "PRESENT", "completed every write of the multi-step request"
+
+
+def execute_requested_action(info: dict[str, Any]) -> Verdict:
+    gold = info.get("gold_writes", [])
+    if len(gold) != 1:
+        return "NA", "the task does not need exactly one write"
+    if any(a.get("ok") and a["name"] == gold[0] for a in info.get("actions", [])):
+        return "PRESENT", f"performed the requested {gold[0]}"
+    return "LACKING", f"never performed the requested {gold[0]}"
+
+
+def communicate_results(info: dict[str, Any]) -> Verdict:
+    missing = info.get("missing_info", [])
+    if missing:
+        return "LACKING", f"did not tell the user: {', '.join(missing)[:80]}"
+    return "PRESENT", "told the user every required detail"
+
+
+def refuse_forbidden_actions(info: dict[str, Any]) -> Verdict:
+    refused = _violations(info, "status") + _violations(info, "refund_method") + _violations(info, "exchange")
+    if refused:
+        return "LACKING", f"attempted an action the policy forbids: {refused[0][:80]}"
+    if info.get("gold_writes"):
+        return "NA", "the request was allowed"
+    if info.get("n_writes"):
+        return "LACKING", "made a write although none was allowed or wanted"
+    return "PRESENT", "made no write where none was allowed"
+
+
+def well_formed_tool_calls(info: dict[str, Any]) -> Verdict:
+    bad = _errors(info, FORMAT_ERRORS)
+    if bad:
+        return "LACKING", f"emitted an invalid tool call: {bad[0][:80]}"
+    if not info.get("actions"):
+        return "NA", "made no tool calls"
+    return "PRESENT", "every tool call was well formed"
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    description: str
+    judge: Callable[[dict[str, Any]], Verdict]
+
+
+CATALOGUE: tuple[Rule, ...] = (
+    Rule("authenticate_before_acting", "Verify the user's identity with an authentication tool before reading or changing any account data. The policy requires it and the tools refuse account actions until it is done.", authenticate_before_acting),
+    Rule("confirm_before_writing", "Before any write, state the action and its details and obtain an explicit yes from the user. A 'no' means the write must not happen.", confirm_before_writing),
+    Rule("ground_arguments", "Use ids, items and payment methods exactly as retrieved from earlier tool results instead of guessing them. Wrong arguments make tools fail or change the wrong record.", ground_arguments),
+    Rule("complete_multistep_transactions", "Carry a request that needs several dependent writes through to the last write. Each write must use the results of the previous steps.", complete_multistep_transactions),
+    Rule("execute_requested_action", "Once the user has confirmed, actually perform the requested write with the right tool instead of only talking about it.", execute_requested_action),
+    Rule("communicate_results", "Tell the user the concrete outcome: amounts, statuses and other details the task requires. An action the user never hears about does not solve the task.", communicate_results),
+    Rule("refuse_forbidden_actions", "Recognise requests the policy forbids (wrong order status, wrong refund method) and refuse with the reason instead of attempting them.", refuse_forbidden_actions),
+    Rule("well_formed_tool_calls", "Emit tool calls as valid JSON with a known tool name and exactly the schema's arguments. Malformed calls waste turns and derail the conversation.", well_formed_tool_calls),
+)
+RULES = {rule.name: rule for rule in CATALOGUE}
+
+
+class HeuristicAnalyst:
+    """Deterministic analyst: one labelling run (N = K = 1), no LLM."""
+
+    name = "heuristic"
+    deterministic = True
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def induce(self, d_plus: list[dict[str, Any]], d_minus: list[dict[str, Any]]) -> list[Capability]:
+        """Candidates that are LACKING in at least one failure, with observed failure modes."""
+        self.calls += 1
+        out = []
+        for rule in CATALOGUE:
+            lacking = [(t["trajectory_id"], rule.judge(t["info"])) for t in d_minus]
+            lacking = [(tid, why) for tid, (label, why) in lacking if label == "LACKING"]
+            if not lacking:
+                continue
+            modes = [why for why, _ in Counter(why.split(":")[0] for _, why in lacking).most_common(3)]
+            out.append(Capability(
+                name=rule.name, description=rule.description, failure_modes=modes,
+                example_trajectory_ids=sorted(tid for tid, _ in lacking)[:5],
+            ))
+        return out
+
+    def label(self, trajectory: dict[str, Any], capabilities: list[Capability], run: int) -> list[Label]:
+        """Labels of one trajectory for every capability (unknown capabilities get NA)."""
+        self.calls += 1
+        labels = []
+        for cap in capabilities:
+            rule = RULES.get(cap.name)
+            label, why = rule.judge(trajectory["info"]) if rule else ("NA", "no heuristic rule for this capability")
+            labels.append(Label(trajectory["trajectory_id"], cap.name, run, label, why))
+        return labels

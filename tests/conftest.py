@@ -1,0 +1,24 @@
+"""Shared fixtures. Models are cached under the data folder (``TRACE_DATA_DIR``), built once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    """The tiny random Llama with the real demo tokenizer (built offline on first use)."""
+    from trace_assets.agent.model import ensure_tiny_model
+
+    return ensure_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_path: Path) -> Any:
+    """The demo tokenizer (SmolLM2 vocabulary, Qwen2.5 tool template, left padding)."""
+    from trace_assets.agent.model import load_tokenizer
+
+    return load_tokenizer(str(tiny_model_path))

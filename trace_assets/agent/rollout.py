@@ -1,0 +1,322 @@
+"""The batched multi-turn rollout runner (data collection, GRPO and evaluation all use it).
+
+``run_rollouts(env, tasks, backend, tokenizer, config)`` plays one episode per task. Each round
+generates ONE assistant turn for every still-active episode in a single ``backend.generate`` call,
+then feeds each turn to its episode:
+
+* every valid ``<tool_call>`` -> ``episode.call_tool`` -> a ``tool`` message;
+* every malformed block -> ``episode.malformed_call`` -> a ``tool`` message with its observation;
+* a turn with neither -> ``episode.user_reply(content)`` -> a ``user`` message (omitted when the user
+  is done and says nothing); the episode ends when the user is done.
+
+An episode also ends (``stop_reason``) after ``max_steps`` assistant turns (``"max_steps"``); when
+the next turn would not fit in ``max_context_tokens`` (prompt + generation prompt +
+``max_new_tokens``; ``"context"``); when two consecutive turns hit ``max_new_tokens`` without the
+stop token (``"length"``; the second turn is still processed and counted); or on an exception
+from the environment (``"error"``, message in ``error``). ``truncated`` is True for ``"context"``
+and ``"length"``: the model's output was cut off. A turn cut by the length limit is closed with
+``<|im_end|>`` (mask 0) and parsed like any other turn.
+
+Token bookkeeping is incremental: past turns are never re-tokenized. ``token_ids`` is exactly what
+the model saw and produced. After the generated tokens (ending with ``<|im_end|>``) the runner
+appends the tokens of the rendered new segment (``"\\n"`` + the tool/user turn) and, just before the
+next generation, of the generation prompt ``"<|im_start|>assistant\\n"``; all with ``env_mask`` 0.
+Segments are cut from the tokenizer's own chat template (rendering is prefix-stable), and every
+boundary is at a special token, so:
+
+* ``decode(token_ids)`` equals ``apply_chat_template(messages', tools)`` where ``messages'`` replaces
+  each assistant message by its raw text (``assistant_texts``); when the model wrote its turns in
+  the canonical format (what the template renders for the parsed message), that is simply
+  ``apply_chat_template(messages, tools)``, and then ``token_ids`` also equal the tokenization of
+  that text (ChatML tokenizes stably at ``<|im_start|>``/``<|im_end|>``);
+* ``env_mask`` is 1 exactly on generated tokens, and ``logprobs`` (aligned with ``token_ids``) holds
+  the backend's log-probs there and 0.0 elsewhere.
+
+Seeds: round r of a call uses sampling seed ``derive_seed(config.seed, r)``. So the same tasks,
+config and backend batch size reproduce the same rollouts, at T = 0 and at T > 0. Samples within one
+batch differ from each other (one RNG stream per batch), which is what GRPO groups need.
+
+Model garbage never crashes the runner: any text is parsed into content/tool calls/errors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+from trace_assets.agent.backends import GenerationBackend, SamplingParams
+from trace_assets.agent.chat import IM_END, assistant_message, parse_assistant, render
+from trace_assets.envs.base import Environment, Episode, EpisodeResult, Message, Task
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    max_steps: int = 50
+    """Maximum assistant turns (the paper's interaction limit)."""
+    max_new_tokens: int = 96
+    """Per assistant turn."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    max_context_tokens: int = 4096
+
+
+@dataclass
+class Rollout:
+    task: Task
+    messages: list[Message]
+    """OpenAI-format conversation, starting with the system and first user message."""
+    token_ids: list[int]
+    """The whole conversation exactly as the model saw and produced it."""
+    env_mask: list[int]
+    """1 for generated tokens, 0 for prompt/environment/user tokens. Same length as token_ids."""
+    prompt_len: int
+    """Tokens before the first generated token (the first prompt incl. the generation prompt)."""
+    result: EpisodeResult
+    steps: int = 0
+    n_generated: int = 0
+    truncated: bool = False
+    error: str | None = None
+    stop_reason: str = ""
+    """One of user_done, max_steps, context, length, error."""
+    logprobs: list[float] = field(default_factory=list)
+    """Aligned with token_ids: the backend's log-prob on generated tokens, 0.0 elsewhere."""
+    assistant_texts: list[str] = field(default_factory=list)
+    """Raw decoded text of every generated turn (stop token included when generated)."""
+    seed: int = 0
+    """The config seed the rollout was sampled with."""
+
+
+ProgressFn = Callable[[int, int], None]
+
+
+def derive_seed(seed: int, round_index: int) -> int:
+    """A well-mixed 31-bit seed for generation round ``round_index`` of a run seeded ``seed``."""
+    digest = hashlib.sha256(f"{seed}:{round_index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def _failed_result(reason: str) -> EpisodeResult:
+    return EpisodeResult(reward=0.0, success=False, info={"error": reason})
+
+
+class _Live:
+    """Mutable state of one running episode."""
+
+    def __init__(self, task: Task, episode: Episode | None, rollout: Rollout) -> None:
+        self.task = task
+        self.episode = episode
+        self.rollout = rollout
+        self.length_hits = 0
+        self.done = False
+
+    def finish(self, reason: str, *, error: str | None = None) -> None:
+        r = self.rollout
+        r.stop_reason = reason
+        r.truncated = reason in ("context", "length")
+        if error is not None:
+            r.error = error
+        self.done = True
+        if self.episode is not None:
+            try:
+                r.result = self.episode.result()
+            except Exception as exc:  # an environment bug: keep the rollout, record the failure
+                log.exception("episode.result() failed for %s", self.task.task_id)
+                r.error = r.error or f"result: {type(exc).__name__}: {exc}"
+                r.result = _failed_result(r.error)
+
+
+class _Encoder:
+    """Renders and tokenizes conversation segments with the tokenizer's chat template."""
+
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]]) -> None:
+        self.tokenizer = tokenizer
+        self.tools = tools
+        self.stop_id = tokenizer.convert_tokens_to_ids(IM_END)
+        if self.stop_id is None or self.stop_id == tokenizer.unk_token_id:
+            self.stop_id = tokenizer.eos_token_id
+
+    def render(self, messages: list[Message], generation_prompt: bool = False) -> str:
+        return render(self.tokenizer, messages, self.tools, add_generation_prompt=generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        # The template spells out every special token, so nothing may be added.
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def generation_prompt(self, messages: list[Message]) -> list[int]:
+        plain = self.render(messages)
+        prompted = self.render(messages, True)
+        if not prompted.startswith(plain):
+            raise ValueError("chat template is not prefix-stable at the generation prompt")
+        return self.encode(prompted[len(plain) :])
+
+    def segment(self, before: list[Message], after: list[Message]) -> list[int]:
+        """Tokens that follow the generated ``<|im_end|>`` of the last message of ``before``."""
+        text_before, text_after = self.render(before), self.render(after)
+        if not text_after.startswith(text_before):
+            raise ValueError("chat template is not prefix-stable; cannot extend incrementally")
+        cut = text_before.rfind(IM_END)
+        closing = text_before[cut + len(IM_END) :] if cut >= 0 else ""
+        return self.encode(closing + text_after[len(text_before) :])
+
+
+def _append(r: Rollout, ids: list[int], mask: int, logprobs: list[float] | None = None) -> None:
+    r.token_ids.extend(ids)
+    r.env_mask.extend([mask] * len(ids))
+    r.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+
+def _start(env: Environment, task: Task, enc: _Encoder, seed: int) -> _Live:
+    blank = Rollout(task=task, messages=[], token_ids=[], env_mask=[], prompt_len=0,
+                    result=_failed_result("not run"), seed=seed)
+    try:
+        episode = env.start(task)
+        blank.messages = [dict(m) for m in episode.initial_messages()]
+        _append(blank, enc.encode(enc.render(blank.messages)), 0)
+    except Exception as exc:
+        log.exception("could not start an episode for %s", task.task_id)
+        live = _Live(task, None, blank)
+        live.finish("error", error=f"start: {type(exc).__name__}: {exc}")
+        live.rollout.result = _failed_result(live.rollout.error or "start failed")
+        return live
+    return _Live(task, episode, blank)
+
+
+def _process_turn(live: _Live, text: str, enc: _Encoder, config: RolloutConfig) -> None:
+    """Feed one generated turn to the episode; append messages and their tokens."""
+    r, episode = live.rollout, live.episode
+    assert episode is not None
+    parsed = parse_assistant(text)
+    r.messages.append(assistant_message(parsed))
+    before = list(r.messages)
+    user_done = False
+    if parsed.tool_calls or parsed.errors:
+        for call in parsed.tool_calls:
+            obs = episode.call_tool(call.name, call.arguments)
+            r.messages.append({"role": "tool", "name": call.name, "content": str(obs)})
+        for raw, reason in parsed.errors:
+            obs = episode.malformed_call(raw, reason)
+            r.messages.append({"role": "tool", "content": str(obs)})
+    else:
+        reply, user_done = episode.user_reply(parsed.content)
+        if reply or not user_done:
+            r.messages.append({"role": "user", "content": str(reply)})
+    r.steps += 1
+    _append(r, enc.segment(before, r.messages), 0)
+    if user_done:
+        live.finish("user_done")
+    elif r.steps >= config.max_steps:
+        live.finish("max_steps")
+    elif live.length_hits >= 2:
+        live.finish("length")
+
+
+def run_rollouts(
+    env: Environment,
+    tasks: list[Task],
+    backend: GenerationBackend,
+    tokenizer: Any,
+    config: RolloutConfig | None = None,
+    *,
+    progress: ProgressFn | None = None,
+) -> list[Rollout]:
+    """Play one episode per task, batching generation across episodes. See the module docstring."""
+    config = config or RolloutConfig()
+    enc = _Encoder(tokenizer, env.tool_schemas())
+    lives = [_start(env, task, enc, config.seed) for task in tasks]
+    total, finished = len(lives), 0
+
+    def report() -> None:
+        nonlocal finished
+        now = sum(live.done for live in lives)
+        if progress is not None and now != finished:
+            progress(now, total)
+        finished = now
+
+    report()
+    round_index = 0
+    while True:
+        active: list[_Live] = []
+        for live in lives:
+            if live.done:
+                continue
+            r = live.rollout
+            try:
+                prompt_tail = enc.generation_prompt(r.messages)
+            except Exception as exc:
+                live.finish("error", error=f"template: {type(exc).__name__}: {exc}")
+                continue
+            if len(r.token_ids) + len(prompt_tail) + config.max_new_tokens > config.max_context_tokens:
+                live.finish("context")
+                continue
+            _append(r, prompt_tail, 0)
+            if r.steps == 0:
+                r.prompt_len = len(r.token_ids)
+            active.append(live)
+        report()
+        if not active:
+            break
+        params = SamplingParams(
+            temperature=config.temperature,
+            top_p=config.top_p,
+            max_new_tokens=config.max_new_tokens,
+            seed=derive_seed(config.seed, round_index),
+        )
+        generations = backend.generate([live.rollout.token_ids for live in active], params)
+        round_index += 1
+        for live, gen in zip(active, generations):
+            r = live.rollout
+            _append(r, list(gen.token_ids), 1, list(gen.logprobs) if gen.logprobs else None)
+            r.n_generated += len(gen.token_ids)
+            r.assistant_texts.append(gen.text)
+            if gen.finish_reason == "stop" and gen.token_ids and gen.token_ids[-1] == enc.stop_id:
+                live.length_hits = 0
+            else:  # close the cut turn so the conversation stays well-formed
+                live.length_hits += 1
+                _append(r, [enc.stop_id], 0)
+            try:
+                _process_turn(live, gen.text, enc, config)
+            except Exception as exc:  # environment bug: record it, keep the other episodes going
+                log.exception("episode %s failed", live.task.task_id)
+                live.finish("error", error=f"{type(exc).__name__}: {exc}")
+        report()
+    return [live.rollout for live in lives]
+
+
+def trajectory_id(task_id: str, policy: str, seed: int, messages: list[Message]) -> str:
+    payload = "\x1f".join([task_id, policy, str(seed), json.dumps(messages, sort_keys=True, default=str)])
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def rollout_to_record(rollout: Rollout, *, policy: str, source: str, split: str) -> dict[str, Any]:
+    """The trajectory record (see DESIGN's data model) for one rollout."""
+    task, result = rollout.task, rollout.result
+    info = {
+        **result.info,
+        "family": task.family,
+        "steps": rollout.steps,
+        "n_generated": rollout.n_generated,
+        "truncated": rollout.truncated,
+        "stop_reason": rollout.stop_reason,
+    }
+    if rollout.error:
+        info["runner_error"] = rollout.error
+    return {
+        "trajectory_id": trajectory_id(task.task_id, policy, rollout.seed, rollout.messages),
+        "task_id": task.task_id,
+        "env": task.env,
+        "split": split,
+        "policy": policy,
+        "messages": rollout.messages,
+        "reward": float(result.reward),
+        "success": bool(result.success),
+        "info": info,
+        "source": source,
+        "created_at": datetime.now(timezone.utc).isoformat(),
+    }

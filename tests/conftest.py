@@ -5,7 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import os
+
 import pytest
+
+from trace_assets import paths
+
+# Tests point TRACE_DATA_DIR at temporary folders; they all share the one model cache.
+os.environ.setdefault("TRACE_MODELS_DIR", str(paths.models_dir()))
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,6 @@ from dagster import AssetKey, DagsterInstance, materialize
 
 from trace_assets.settings import TINY
 
-FOUNDATION = ["task_splits", "base_agent", "base_trajectories", "trajectory_splits"]
 
 
 @pytest.fixture()
@@ -30,30 +29,17 @@ def test_definitions_validate(tiny_env):
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_asset_graph_snapshot():
-    from trace_assets.definitions import build_definitions
-
-    graph = build_definitions(TINY).resolve_asset_graph()
-    edges = {
-        key.to_user_string(): sorted(p.to_user_string() for p in graph.get(key).parent_keys)
-        for key in graph.materializable_asset_keys
-    }
-    assert edges == {
-        "task_splits": [],
-        "base_agent": ["task_splits"],
-        "base_trajectories": ["base_agent", "task_splits"],
-        "trajectory_splits": ["base_trajectories"],
-    }
+FOUNDATION = ["task_splits", "base_agent", "base_trajectories", "trajectory_splits"]
 
 
 def test_materialize_foundation_with_tiny_settings(tiny_env):
-    from trace_assets.definitions import build_definitions
+    from trace_assets.assets.foundation import build_foundation_assets
+    from trace_assets.definitions import build_resources
 
-    defs = build_definitions(TINY)
-    graph = defs.resolve_asset_graph()
-    assets = [graph.assets_def_for_key(AssetKey(name)) for name in FOUNDATION]
+    assets = build_foundation_assets(TINY)
+    resources = build_resources(TINY)
     instance = DagsterInstance.ephemeral()
-    result = materialize(assets, instance=instance, resources=defs.resources)
+    result = materialize(assets, instance=instance, resources=resources)
     assert result.success
     splits = result.output_for_node("task_splits")
     n_families = len({t["family"] for t in splits["train"]})
@@ -63,7 +49,7 @@ def test_materialize_foundation_with_tiny_settings(tiny_env):
 
     d = result.output_for_node("trajectory_splits")
     assert len(d["d_plus"]) + len(d["d_minus"]) == len(splits["train"])
-    store = defs.resources["store"]
+    store = resources["store"]
     rows = store.trajectories(policy="base")
     assert {r["split"] for r in rows} == {"train", "test"}
     assert len(rows) == len(splits["train"]) + len(splits["test"])
@@ -71,5 +57,5 @@ def test_materialize_foundation_with_tiny_settings(tiny_env):
     mat = instance.get_latest_materialization_event(AssetKey("base_trajectories")).asset_materialization
     assert "success_by_family" in mat.metadata and "sample_failed_trajectory" in mat.metadata
     # Re-materializing adds no duplicate rows and keeps the same data version.
-    again = materialize(assets[2:], instance=instance, resources=defs.resources)
+    again = materialize(assets, selection=FOUNDATION[2:], instance=instance, resources=resources)
     assert again.success and len(store.trajectories(policy="base")) == len(rows)

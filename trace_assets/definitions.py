@@ -24,20 +24,20 @@ def build_definitions(settings: Settings | None = None) -> Definitions:
     assets = [a for a in [*build_foundation_assets(settings), *identify] if not _is_check(a)]
     checks = [a for a in identify if _is_check(a)]
     main_job = define_asset_job(MAIN_JOB, selection=AssetSelection.all(), description="The whole TRACE loop.")
-    return Definitions(
-        assets=assets,
-        asset_checks=checks,
-        jobs=[main_job],
-        resources={
-            "models": ModelResource(base_model=settings.base_model, generation_batch_size=settings.rollout.batch_size),
-            "store": TraceStore(),
-            "analyst": AnalystResource(
-                kind=settings.analyst.kind, base_url=settings.analyst.base_url, model=settings.analyst.model,
-                temperature=settings.analyst.temperature, max_retries=settings.analyst.max_retries,
-            ),
-            "io_manager": FilesystemIOManager(base_dir=str(paths.sub("dagster", "io"))),
-        },
-    )
+    return Definitions(assets=assets, asset_checks=checks, jobs=[main_job], resources=build_resources(settings))
+
+
+def build_resources(settings: Settings) -> dict:
+    """The resources every asset uses, configured from ``settings``."""
+    return {
+        "models": ModelResource(base_model=settings.base_model, generation_batch_size=settings.rollout.batch_size),
+        "store": TraceStore(),
+        "analyst": AnalystResource(
+            kind=settings.analyst.kind, base_url=settings.analyst.base_url, model=settings.analyst.model,
+            temperature=settings.analyst.temperature, max_retries=settings.analyst.max_retries,
+        ),
+        "io_manager": FilesystemIOManager(base_dir=str(paths.sub("dagster", "io"))),
+    }
 
 
 def _is_check(obj) -> bool:

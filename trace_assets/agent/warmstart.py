@@ -141,7 +141,7 @@ def train_warmstart(
             torch.nn.utils.clip_grad_norm_(peft_model.parameters(), 1.0)
             optimizer.step()
             step += 1
-            report.losses.append(round(float(loss), 4))
+            report.losses.append(round(float(loss.detach()), 4))
             if progress:
                 progress(step, total, float(loss))
     report.train_time_s = round(time.perf_counter() - start, 1)

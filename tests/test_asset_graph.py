@@ -1,0 +1,35 @@
+"""Snapshot of the asset graph: an edge that appears or disappears is a design change to review."""
+
+from __future__ import annotations
+
+from trace_assets.settings import TINY
+
+EXPECTED = {
+    "task_splits": [],
+    "base_agent": ["task_splits"],
+    "base_trajectories": ["base_agent", "task_splits"],
+    "trajectory_splits": ["base_trajectories"],
+    "capability_dictionary": ["trajectory_splits"],
+    "label_matrix": ["capability_dictionary", "trajectory_splits"],
+    "capability_stats": ["capability_dictionary", "label_matrix", "trajectory_splits"],
+    "selected_capabilities": ["capability_dictionary", "capability_stats"],
+    "capability_spec": ["capability_dictionary", "selected_capabilities"],
+}
+PARTITIONED = {"capability_spec"}
+CHECKS = {("label_matrix", "label_completeness"), ("capability_stats", "stats_sanity"), ("selected_capabilities", "c_star_not_empty")}
+
+
+def test_asset_graph_snapshot():
+    from trace_assets.definitions import build_definitions
+
+    defs = build_definitions(TINY)
+    graph = defs.resolve_asset_graph()
+    edges = {
+        key.to_user_string(): sorted(p.to_user_string() for p in graph.get(key).parent_keys)
+        for key in graph.materializable_asset_keys
+    }
+    assert edges == EXPECTED
+    partitioned = {k.to_user_string() for k in graph.materializable_asset_keys if graph.get(k).partitions_def}
+    assert partitioned == PARTITIONED
+    checks = {(c.asset_key.to_user_string(), c.name) for c in graph.asset_check_keys}
+    assert checks == CHECKS

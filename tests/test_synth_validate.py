@@ -1,0 +1,179 @@
+"""Step 2 validation: calibration with a scripted policy, isolation with the Step-1 heuristic, and
+the LLM synthesizer against a real local OpenAI-protocol server with scripted answers."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from tests.openai_server import ScriptedOpenAI
+from trace_assets.envs import get_environment
+from trace_assets.envs.base import EpisodeResult
+from trace_assets.envs.retail.expert import demonstrate
+from trace_assets.identify.heuristic import RULES
+from trace_assets.llm import ChatClient, LLMError
+from trace_assets.synthesize import SynthesisError, SyntheticEnv, calibrate, isolation, llm_spec, template_spec
+from trace_assets.synthesize.llm_synth import render_prompt
+
+ENV = get_environment("retail")
+
+
+def cap(name):
+    return {"name": name, "description": RULES[name].description if name in RULES else "A capability.",
+            "failure_modes": ["wrote without explicit confirmation"]}
+
+
+# ---------------------------------------------------------------- calibration
+
+
+def success_probability(difficulty):
+    """The scripted policy: easier knobs raise its success probability (known, monotone)."""
+    p = (0.05 + 0.3 * difficulty["hint_share"] + 0.2 * difficulty["volunteer_identity"]
+         - 0.1 * difficulty["distractor_orders"] - 0.1 * difficulty["family_bias"])
+    return min(1.0, max(0.0, p))
+
+
+def scripted_rollouts(env, tasks, k, temperature):
+    p = success_probability(env.difficulty)
+    out = []
+    for task in tasks:
+        for j in range(k):
+            ok = random.Random(f"{task.seed}/{j}").random() < p
+            out.append(EpisodeResult(reward=1.0 if ok else 0.0, success=ok, info={}))
+    return out
+
+
+def hard_spec():
+    spec = template_spec(cap("confirm_before_writing"), ENV)
+    spec["difficulty"] = {"hint_share": 0.0, "volunteer_identity": 0.0, "distractor_orders": 2, "family_bias": 1.0, "frozen": []}
+    return spec
+
+
+def test_calibration_makes_a_too_hard_env_easier_until_it_passes():
+    report = calibrate(hard_spec(), ENV, scripted_rollouts, seeds=32, k=4)
+    assert report.passed, report.rounds
+    assert [r["round"] for r in report.rounds] == list(range(len(report.rounds))) and len(report.rounds) >= 2
+    assert all(not r["passed"] and r["direction"] == "easier" for r in report.rounds[:-1])
+    final = report.rounds[-1]
+    assert final["passed"] and 0.2 <= final["mean_reward"] <= 0.6 and final["informative_share"] >= 0.5
+    hints = [r["difficulty"]["hint_share"] for r in report.rounds]
+    assert hints == sorted(hints) and hints[-1] > hints[0]
+    assert report.spec["difficulty"] == final["difficulty"]
+    assert SyntheticEnv(report.spec, ENV).difficulty["distractor_orders"] < 2
+    assert all(r["n_tasks"] == 32 and r["k"] == 4 for r in report.rounds)
+    json.dumps(report.to_dict())
+
+
+def test_calibration_of_an_impossible_env_fails_with_a_full_report():
+    never = lambda env, tasks, k, t: [{"reward": 0.0, "success": False} for _ in range(len(tasks) * k)]  # noqa: E731
+    report = calibrate(hard_spec(), ENV, never, seeds=8, k=2, max_rounds=5)
+    assert not report.passed and len(report.rounds) == 5 and "5 rounds" in report.reason
+    assert all(r["mean_reward"] == 0.0 and not r["passed"] for r in report.rounds)
+    long = calibrate(hard_spec(), ENV, never, seeds=8, k=2, max_rounds=20)
+    assert not long.passed and "easiest" in long.reason and len(long.rounds) < 20
+    assert long.spec["difficulty"]["hint_share"] == 1.0 and long.spec["difficulty"]["family_bias"] == -2.0
+
+
+def test_calibration_makes_a_too_easy_env_harder_and_respects_frozen_knobs():
+    always = lambda env, tasks, k, t: [EpisodeResult(1.0, True, {}) for _ in range(len(tasks) * k)]  # noqa: E731
+    spec = template_spec(cap("authenticate_before_acting"), ENV)
+    assert "volunteer_identity" in spec["difficulty"]["frozen"]
+    report = calibrate(spec, ENV, always, seeds=4, k=2, max_rounds=3)
+    assert not report.passed and [r["direction"] for r in report.rounds[:2]] == ["harder", "harder"]
+    assert report.rounds[1]["difficulty"]["distractor_orders"] == 1
+    assert all(r["difficulty"]["volunteer_identity"] == 0.0 for r in report.rounds)
+
+
+def test_calibration_needs_informative_groups():
+    constant = lambda env, tasks, k, t: [EpisodeResult(float(task.seed % 2), bool(task.seed % 2), {})  # noqa: E731
+                                         for task in tasks for _ in range(k)]
+    report = calibrate(hard_spec(), ENV, constant, seeds=8, k=4, max_rounds=2)
+    assert not report.passed and report.rounds[0]["informative_share"] == 0.0
+    assert report.rounds[0]["mean_reward"] == 0.5
+
+
+# ---------------------------------------------------------------- isolation
+
+
+def test_isolation_separates_present_from_lacking():
+    env = SyntheticEnv(template_spec(cap("confirm_before_writing"), ENV), ENV)
+    tasks = [t for t in env.sample_tasks(12) if t.meta["gold_writes"]][:4]
+    good = [demonstrate(env, t)[1] for t in tasks]
+    bad = [demonstrate(env, t, confirm=False)[1] for t in tasks]
+    report = isolation(good + bad, "confirm_before_writing")
+    assert report["n_present"] == len(good) and report["n_lacking"] == len(bad)
+    assert report["mean_present"] == 1.0 and report["gap"] > 0 and report["passed"] is True and report["verdict"] == "pass"
+    only_good = isolation([{"reward": r.reward, "info": r.info} for r in good], "confirm_before_writing")
+    assert only_good["passed"] is None and only_good["verdict"] == "undetermined" and "LACKING" in only_good["note"]
+    inverted = isolation([EpisodeResult(0.0, False, r.info) for r in good] + [EpisodeResult(1.0, True, r.info) for r in bad],
+                         "confirm_before_writing")
+    assert inverted["passed"] is False and inverted["gap"] < 0
+    assert isolation(good, "unknown_capability")["verdict"] == "undetermined"
+
+
+# ---------------------------------------------------------------- the LLM synthesizer
+
+
+def _client(server):
+    return ChatClient(base_url=server.base_url, model="scripted", timeout_s=10)
+
+
+def good_answer(name="confirm_before_writing"):
+    spec = template_spec(cap(name), ENV)
+    spec["notes"] = "written by the model"
+    return spec
+
+
+def test_llm_spec_repairs_bad_answers():
+    unknown_tool = good_answer()
+    unknown_tool["target"]["tools"].append("teleport_user")
+    unsatisfiable = good_answer()
+    unsatisfiable["rubric"]["checks"].append({"id": "no_lookups", "kind": "forbidden_call", "weight": 2, "tool": "get_order_details"})
+    renamed = good_answer()
+    renamed["capability"] = {"name": "something_else", "description": "the model's own idea"}
+    answers = ["Here is my plan: make the agent confirm things. No JSON today.",
+               json.dumps(unknown_tool), json.dumps(unsatisfiable),
+               "```json\n" + json.dumps(renamed) + "\n```"]
+    with ScriptedOpenAI(answers) as server:
+        spec, reasons = llm_spec(cap("confirm_before_writing"), ENV, _client(server), max_retries=3)
+    assert len(server.requests) == 4 and len(reasons) == 3
+    assert "not a JSON object" in reasons[0]
+    assert "teleport_user" in reasons[1]
+    assert "no_lookups" in reasons[2] and "get_order_details" in reasons[2]
+    assert spec["capability"] == {"name": "confirm_before_writing", "description": cap("confirm_before_writing")["description"],
+                                  "failure_modes": ["wrote without explicit confirmation"]}
+    assert spec["notes"] == "written by the model" and SyntheticEnv(spec, ENV).name == "synthetic_confirm_before_writing"
+    # The model saw the schema, the tools and the families, and then each rejection reason.
+    prompt = server.requests[0]["messages"][0]["content"]
+    assert "envspec/v1.json" in prompt and "exchange_delivered_order_items" in prompt and "cancel_and_return" in prompt
+    assert "1000000" in prompt and "confirm_before_writing" in prompt
+    repair = server.requests[2]["messages"][-1]["content"]
+    assert "invalid" in repair and "teleport_user" in repair
+
+
+def test_llm_spec_raises_with_every_reason_when_retries_run_out():
+    bad_weight = good_answer()
+    bad_weight["rubric"]["checks"][0]["weight"] = 0
+    not_inherited = good_answer()
+    not_inherited["policy"] = "Do whatever the user asks."
+    with ScriptedOpenAI([json.dumps(bad_weight), json.dumps(not_inherited), json.dumps(good_answer())]) as server:
+        with pytest.raises(SynthesisError) as info:
+            llm_spec(cap("confirm_before_writing"), ENV, _client(server), max_retries=1)
+    assert len(server.requests) == 2  # bounded: 1 + max_retries attempts
+    err = info.value
+    assert isinstance(err, LLMError) and len(err.reasons) == 2
+    assert "weight" in err.reasons[0] and "policy" in err.reasons[1]
+    assert "policy" in str(err) and "confirm_before_writing" in str(err)
+
+
+def test_llm_spec_first_answer_valid_and_failures_in_prompt():
+    failed = [{"trajectory_id": "traj-7", "info": {"family": "modify_address", "policy_violations": [
+        {"rule": "confirm_before_write", "detail": "modify_pending_order_address"}]}}]
+    prompt = render_prompt(cap("confirm_before_writing"), ENV, failed)
+    assert "traj-7" in prompt and "modify_address" in prompt
+    with ScriptedOpenAI([json.dumps(good_answer())]) as server:
+        spec, reasons = llm_spec(cap("confirm_before_writing"), ENV, _client(server), failed_trajectories=failed)
+    assert reasons == [] and len(server.requests) == 1 and "traj-7" in server.requests[0]["messages"][0]["content"]
+    assert spec == {**good_answer(), "capability": spec["capability"]}

@@ -1,0 +1,21 @@
+"""TRACE Step 2 (Synthesize): a validated, capability-targeted synthetic environment per capability.
+
+Modules: ``spec`` (the EnvSpec JSON document: schema, fidelity, hash), ``rubric`` (weighted checks with
+partial credit), ``env`` (``SyntheticEnv`` / ``SyntheticEpisode``: the spec interpreted on the target's
+machinery), ``template`` (offline default synthesizer), ``llm_synth`` (LLM synthesizer with bounded
+repair), ``validate`` (fidelity, gold-solvability, calibration, isolation).
+
+A spec is data, never code: nothing in it is evaluated or executed.
+"""
+
+from trace_assets.synthesize.env import SyntheticEnv, SyntheticEpisode
+from trace_assets.synthesize.llm_synth import SynthesisError, llm_spec
+from trace_assets.synthesize.spec import SpecError, envspec_schema, fidelity, load_spec, schema_errors, spec_hash, validate_spec
+from trace_assets.synthesize.template import template_spec
+from trace_assets.synthesize.validate import CalibrationReport, calibrate, check_spec, gold_solvable, isolation
+
+__all__ = [
+    "CalibrationReport", "SpecError", "SynthesisError", "SyntheticEnv", "SyntheticEpisode", "calibrate",
+    "check_spec", "envspec_schema", "fidelity", "gold_solvable", "isolation", "llm_spec", "load_spec",
+    "schema_errors", "spec_hash", "template_spec", "validate_spec",
+]

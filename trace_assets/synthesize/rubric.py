@@ -1,0 +1,190 @@
+"""The rubric: weighted checks over a trajectory and its final state, with partial credit.
+
+Contract:
+
+* :func:`evaluate` scores one episode's :class:`Trace` against a spec's ``rubric`` block. Each
+  check gets ``applicable`` (its ``when`` holds for this task), a ``score`` in [0, 1] (0/1, or the
+  share of strings said for ``info_communicated`` with ``partial``), ``passed`` (score == 1) and a
+  one-line ``detail``.
+* ``reward = sum(weight * score) / sum(weight)`` over the applicable checks, in [0, 1]. When no
+  check applies the reward is the ``fallback`` (the target's own reward), so a rubric never
+  invents credit.
+* Pure: it reads the trace and the task, never changes them, and runs nothing from the spec.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from trace_assets.envs.base import Task
+from trace_assets.synthesize.spec import fill_text, selector_tools
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One tool call the agent made, as the episode saw it (malformed calls have name "")."""
+
+    name: str
+    arguments: Any
+    ok: bool
+    observation: str
+    malformed: bool = False
+
+
+@dataclass
+class Trace:
+    """What the rubric reads: calls in order, texts said to the user, recorded violations, state."""
+
+    calls: list[CallRecord]
+    said: list[str]
+    violations: list[dict[str, str]]
+    state_match: bool
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    id: str
+    kind: str
+    weight: float
+    applicable: bool
+    score: float
+    passed: bool
+    detail: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class RubricScore:
+    reward: float
+    checks: list[CheckResult] = field(default_factory=list)
+
+    def to_dicts(self) -> list[dict[str, Any]]:
+        return [c.to_dict() for c in self.checks]
+
+
+Groups = dict[str, frozenset[str]]
+
+
+def _norm(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.strip().casefold()
+    if isinstance(value, list):
+        return sorted((_norm(v) for v in value), key=repr)
+    return value
+
+
+def _grounded(value: Any, earlier: list[CallRecord]) -> bool:
+    values = value if isinstance(value, list) else [value]
+    if not values or not all(isinstance(v, (str, int, float)) and str(v) for v in values):
+        return False
+    observations = [c.observation for c in earlier if c.ok]
+    # Match whole JSON values (or a bare id observation), so "W12" is not grounded by "W1234".
+    return all(any(obs.strip() == str(v) or json.dumps(v) in obs for obs in observations) for v in values)
+
+
+def _args_ok(call: CallRecord, constraints: dict[str, Any], index: int, calls: list[CallRecord], task: Task) -> bool:
+    args = call.arguments if isinstance(call.arguments, dict) else {}
+    for arg, rule in constraints.items():
+        if arg not in args:
+            return False
+        value = args[arg]
+        if "equals" in rule and value != rule["equals"]:
+            return False
+        if rule.get("gold"):
+            gold = [a["arguments"].get(arg) for a in task.gold_actions if a["name"] == call.name and arg in a["arguments"]]
+            if not any(_norm(value) == _norm(g) for g in gold):
+                return False
+        if rule.get("grounded") and not _grounded(value, calls[:index]):
+            return False
+    return True
+
+
+def _matching(check: dict[str, Any], trace: Trace, task: Task, groups: Groups, ok_only: bool) -> list[int]:
+    tools = selector_tools(check["tool"], groups)
+    constraints = check.get("args") or {}
+    return [i for i, c in enumerate(trace.calls)
+            if c.name in tools and (c.ok or not ok_only) and _args_ok(c, constraints, i, trace.calls, task)]
+
+
+def _applies(check: dict[str, Any], task: Task, groups: Groups) -> bool:
+    when = check.get("when") or {}
+    gold = {a["name"] for a in task.gold_actions}
+    if "gold_calls" in when and not gold & selector_tools(when["gold_calls"], groups):
+        return False
+    if "gold_avoids" in when and gold & selector_tools(when["gold_avoids"], groups):
+        return False
+    if "families" in when and task.family not in when["families"]:
+        return False
+    return True
+
+
+def text_slots(task: Task) -> dict[str, str]:
+    intents = task.scenario.get("intents") or [{}]
+    return {"first_name": task.scenario.get("first_name", ""), "order_id": intents[0].get("order_id") or "",
+            "family": task.family}
+
+
+def _score(check: dict[str, Any], trace: Trace, task: Task, groups: Groups) -> tuple[float, str]:
+    kind = check["kind"]
+    if kind == "required_call":
+        hits = _matching(check, trace, task, groups, ok_only=check.get("ok_only", True))
+        return (1.0, f"call #{hits[0]} matches") if hits else (0.0, f"no matching call of {check['tool']}")
+    if kind == "forbidden_call":
+        hits = _matching(check, trace, task, groups, ok_only=check.get("ok_only", False))
+        return (0.0, f"forbidden call #{hits[0]} {trace.calls[hits[0]].name}") if hits else (1.0, "no forbidden call")
+    if kind == "ordering":
+        before, after = selector_tools(check["before"], groups), selector_tools(check["after"], groups)
+        seen_before = False
+        n_after = 0
+        for i, call in enumerate(trace.calls):
+            if call.name in after:
+                n_after += 1
+                if not seen_before:
+                    return 0.0, f"call #{i} {call.name} came before any successful {check['before']}"
+            if call.name in before and call.ok:
+                seen_before = True
+        if n_after == 0 and check.get("require_after"):
+            return 0.0, f"no call of {check['after']}"
+        return 1.0, f"{n_after} call(s) of {check['after']} in order"
+    if kind == "final_state_match":
+        return (1.0, "final state matches the gold replay") if trace.state_match else (0.0, "final state differs")
+    if kind == "info_communicated":
+        wanted = task.required_info if check.get("info", "required") == "required" else check["info"]
+        wanted = [fill_text(w, text_slots(task)) for w in wanted]
+        said = [s.lower() for s in trace.said]
+        missing = [w for w in wanted if not any(w.lower() in s for s in said)]
+        if not wanted:
+            return 1.0, "nothing to say"
+        share = 1 - len(missing) / len(wanted)
+        score = share if check.get("partial") else float(not missing)
+        return score, ("said everything" if not missing else f"missing {missing}")
+    if kind == "no_policy_violation":
+        rules = check.get("rules")
+        broken = [v for v in trace.violations if rules is None or v.get("rule") in rules]
+        return (0.0, f"violated {broken[0].get('rule')}: {broken[0].get('detail', '')[:80]}") if broken else (1.0, "no violation")
+    if kind == "no_tool_error":
+        needles = [n.lower() for n in check.get("contains", [])]
+        errors = [c.observation for c in trace.calls if c.observation.startswith("Error:")]
+        bad = [e for e in errors if not needles or any(n in e.lower() for n in needles)]
+        return (0.0, f"tool error: {bad[0][:80]}") if bad else (1.0, "no tool error")
+    raise ValueError(f"unknown check kind {kind!r}")  # fidelity rejects these before any episode
+
+
+def evaluate(rubric: dict[str, Any], trace: Trace, task: Task, groups: Groups, *, fallback: float = 0.0) -> RubricScore:
+    """Score ``trace`` (see the module docstring)."""
+    results = []
+    for i, check in enumerate(rubric["checks"]):
+        cid = check.get("id") or f"{i}_{check['kind']}"
+        weight = float(check["weight"])
+        if not _applies(check, task, groups):
+            results.append(CheckResult(cid, check["kind"], weight, False, 0.0, False, "not applicable to this task"))
+            continue
+        score, detail = _score(check, trace, task, groups)
+        results.append(CheckResult(cid, check["kind"], weight, True, score, score >= 1.0, detail))
+    total = sum(r.weight for r in results if r.applicable)
+    reward = sum(r.weight * r.score for r in results if r.applicable) / total if total else fallback
+    return RubricScore(reward=min(1.0, max(0.0, reward)), checks=results)

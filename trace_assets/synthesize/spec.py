@@ -1,0 +1,244 @@
+"""EnvSpec: the declarative JSON document that defines one synthetic environment.
+
+Contract:
+
+* A spec is JSON data validated by ``trace_assets/schemas/envspec.schema.json`` (v1). Nothing in it is
+  ever evaluated or executed; the only text processing is ``string.Template.safe_substitute`` with
+  the whitelisted slots in :data:`TEXT_SLOTS` (see :func:`fill_text`).
+* :func:`schema_errors` reports schema violations as ``"path: message"`` strings; :func:`fidelity`
+  reports what the schema cannot see: tools unknown to the target, embedded tool schemas that differ
+  from the target's, a policy that is not inherited, seeds overlapping ``[0, SYNTHETIC_SEED_BASE)``,
+  unknown families, rubric selectors naming unknown tools or tools outside the spec's subset.
+* :func:`validate_spec` = both; it raises :class:`SpecError` (with every problem) or returns a
+  deep copy of the spec. :func:`spec_hash` is the data version of a spec: the hash of its
+  canonical JSON.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from importlib import resources
+from pathlib import Path
+from string import Template
+from typing import Any
+
+import jsonschema
+
+from trace_assets.envs.base import Environment
+from trace_assets.envs.splits import SYNTHETIC_SEED_BASE
+from trace_assets.settings import stable_hash
+
+SCHEMA_FILE = "envspec.schema.json"
+SCHEMA_VERSION = "1"
+CHECK_KINDS = ("required_call", "ordering", "forbidden_call", "final_state_match", "info_communicated",
+               "no_policy_violation", "no_tool_error")
+KNOBS = ("hint_share", "volunteer_identity", "distractor_orders", "family_bias")
+DEFAULT_DIFFICULTY: dict[str, Any] = {"hint_share": 0.0, "volunteer_identity": 0.0, "distractor_orders": 0,
+                                      "family_bias": 0.0, "frozen": []}
+DEFAULT_SCENARIO: dict[str, Any] = {"name_zip_share": None, "decline_share": 0.0}
+TEXT_SLOTS = ("first_name", "order_id", "family")
+"""The only names ``$slot`` may use in hint and info strings; anything else stays literal."""
+GROUPS = ("@auth", "@read", "@write", "@account", "@any")
+
+
+class SpecError(ValueError):
+    """An invalid spec; ``problems`` lists every reason."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("invalid EnvSpec: " + "; ".join(problems))
+        self.problems = list(problems)
+
+
+def envspec_schema() -> dict[str, Any]:
+    return json.loads(resources.files("trace_assets.schemas").joinpath(SCHEMA_FILE).read_text(encoding="utf-8"))
+
+
+_VALIDATOR: jsonschema.Draft202012Validator | None = None
+
+
+def _validator() -> jsonschema.Draft202012Validator:
+    global _VALIDATOR
+    if _VALIDATOR is None:
+        _VALIDATOR = jsonschema.Draft202012Validator(envspec_schema())
+    return _VALIDATOR
+
+
+def schema_errors(spec: Any) -> list[str]:
+    """Schema violations of ``spec`` as ``"path: message"``, most specific first; [] when valid."""
+    out = []
+    for err in sorted(_validator().iter_errors(spec), key=lambda e: (list(map(str, e.absolute_path)), e.message)):
+        path = "/".join(str(p) for p in err.absolute_path) or "(root)"
+        out.append(f"{path}: {err.message[:200]}")
+    return out
+
+
+# ---- the target's tool groups ------------------------------------------------------------------
+
+
+def tool_groups(target_env: Environment) -> dict[str, frozenset[str]]:
+    """The tool groups rubric selectors may name, derived from the target's own tool tables."""
+    names = [s["function"]["name"] for s in target_env.tool_schemas()]
+    if target_env.name != "retail":  # only the retail target is supported (see the schema's target.env)
+        raise SpecError([f"target environment {target_env.name!r} is not supported; only 'retail'"])
+    from trace_assets.envs.retail.tools import ACCOUNT_TOOLS, AUTH_TOOLS, WRITE_TOOLS
+
+    return {
+        "@auth": frozenset(AUTH_TOOLS),
+        "@write": frozenset(WRITE_TOOLS),
+        "@account": frozenset(ACCOUNT_TOOLS),
+        "@read": frozenset(n for n in names if n not in WRITE_TOOLS),
+        "@any": frozenset(names),
+    }
+
+
+def selector_tools(selector: str | list[str], groups: dict[str, frozenset[str]]) -> set[str]:
+    """The tool names a selector covers (unknown names are kept as-is; fidelity reports them)."""
+    items = [selector] if isinstance(selector, str) else list(selector)
+    out: set[str] = set()
+    for item in items:
+        out |= set(groups.get(item, {item}))
+    return out
+
+
+# ---- fidelity --------------------------------------------------------------------------------
+
+
+def _selectors(check: dict[str, Any]) -> list[tuple[str, Any]]:
+    found = [(key, check[key]) for key in ("tool", "before", "after") if key in check]
+    when = check.get("when") or {}
+    found += [(f"when.{key}", when[key]) for key in ("gold_calls", "gold_avoids") if key in when]
+    return found
+
+
+def fidelity(spec: dict[str, Any], target_env: Environment) -> list[str]:
+    """Problems that keep ``spec`` from being faithful to ``target_env``; [] = faithful.
+
+    Run it on a schema-valid spec (it tolerates missing keys but reports only what it can see).
+    """
+    problems: list[str] = []
+    target = spec.get("target", {})
+    if target.get("env") != target_env.name:
+        problems.append(f"target.env {target.get('env')!r} is not the target environment {target_env.name!r}")
+    schemas = target_env.tool_schemas()
+    known = [s["function"]["name"] for s in schemas]
+    tools = list(target.get("tools", []))
+    unknown = [t for t in tools if t not in known]
+    if unknown:
+        problems.append(f"unknown tools {unknown}; the target has {known}")
+    if "tool_schemas" in target:
+        expected = [s for s in schemas if s["function"]["name"] in tools]
+        if target["tool_schemas"] != expected:
+            problems.append("target.tool_schemas differ from the target's schemas of these tools "
+                            "(they must be identical, in the target's order; or leave them out)")
+    policy = spec.get("policy")
+    if policy != "inherit" and policy != target_env.system_prompt():
+        problems.append("policy must be 'inherit' or the exact target system prompt; a changed policy breaks fidelity")
+
+    tasks = spec.get("tasks", {})
+    families = [f.get("name") for f in tasks.get("families", [])]
+    bad_families = [f for f in families if f not in target_env.families()]
+    if bad_families:
+        problems.append(f"unknown families {bad_families}; the target has {target_env.families()}")
+    if len(set(families)) != len(families):
+        problems.append("families are listed more than once")
+    if any(not isinstance(f.get("weight"), (int, float)) or f["weight"] <= 0 for f in tasks.get("families", [])):
+        problems.append("family weights must be > 0")
+    seed_range = tasks.get("seed_range")
+    if isinstance(seed_range, list) and len(seed_range) == 2:
+        start, end = seed_range
+        if not (isinstance(start, int) and isinstance(end, int)) or start < SYNTHETIC_SEED_BASE:
+            problems.append(f"seed_range {seed_range} overlaps the target's seeds [0, {SYNTHETIC_SEED_BASE})")
+        elif end <= start:
+            problems.append(f"seed_range {seed_range} is empty (need start < end)")
+    else:
+        problems.append("tasks.seed_range must be [start, end)")
+
+    try:
+        groups = tool_groups(target_env)
+    except SpecError as exc:
+        return problems + exc.problems
+    checks = spec.get("rubric", {}).get("checks", [])
+    if not checks:
+        problems.append("the rubric has no checks")
+    ids = [c.get("id") for c in checks if c.get("id")]
+    if len(set(ids)) != len(ids):
+        problems.append("rubric check ids are not unique")
+    for i, check in enumerate(checks):
+        where = f"rubric.checks[{i}]" + (f" ({check['id']})" if check.get("id") else "")
+        if check.get("kind") not in CHECK_KINDS:
+            problems.append(f"{where}: unknown check kind {check.get('kind')!r}; known: {list(CHECK_KINDS)}")
+        weight = check.get("weight")
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight <= 0:
+            problems.append(f"{where}: weight must be > 0")
+        for key, selector in _selectors(check):
+            items = [selector] if isinstance(selector, str) else list(selector)
+            for item in items:
+                if item.startswith("@") and item not in GROUPS:
+                    problems.append(f"{where}: {key} names unknown tool group {item!r}; known: {list(GROUPS)}")
+                elif not item.startswith("@") and item not in known:
+                    problems.append(f"{where}: {key} names unknown tool {item!r}")
+                elif not item.startswith("@") and item not in tools and not key.startswith("when"):
+                    problems.append(f"{where}: {key} names tool {item!r}, which is not in target.tools")
+        for family in (check.get("when") or {}).get("families", []):
+            if family not in families:
+                problems.append(f"{where}: when.families names {family!r}, which is not a spec family")
+        for arg in (check.get("args") or {}):
+            tool_names = selector_tools(check.get("tool", []), groups)
+            params = {p for s in schemas if s["function"]["name"] in tool_names
+                      for p in s["function"]["parameters"].get("properties", {})}
+            if params and arg not in params:
+                problems.append(f"{where}: argument {arg!r} is not a parameter of {sorted(tool_names)}")
+    difficulty = spec.get("difficulty") or {}
+    if difficulty.get("hint_share", 0) > 0 and not spec.get("hint"):
+        problems.append("difficulty.hint_share > 0 but there is no hint text")
+    return problems
+
+
+# ---- loading, hashing, normalised views --------------------------------------------------------
+
+
+def validate_spec(spec: dict[str, Any], target_env: Environment) -> dict[str, Any]:
+    """A deep copy of ``spec`` when it passes the schema and fidelity; else ``SpecError``."""
+    problems = schema_errors(spec)
+    if not problems:
+        problems = fidelity(spec, target_env)
+    if problems:
+        raise SpecError(problems)
+    return copy.deepcopy(spec)
+
+
+def load_spec(source: str | Path | dict[str, Any], target_env: Environment) -> dict[str, Any]:
+    """Read (a path or a JSON string) and validate a spec. Never evaluates anything in it."""
+    if isinstance(source, dict):
+        data = source
+    else:
+        is_json = isinstance(source, str) and source.lstrip().startswith("{")
+        text = source if is_json else Path(source).read_text(encoding="utf-8")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SpecError([f"not JSON: {exc}"]) from exc
+    if not isinstance(data, dict):
+        raise SpecError(["a spec must be a JSON object"])
+    return validate_spec(data, target_env)
+
+
+def spec_hash(spec: dict[str, Any]) -> str:
+    """The data version of a spec: sha256 of its canonical JSON (16 hex characters)."""
+    return stable_hash(spec, 16)
+
+
+def difficulty_of(spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec's difficulty block with defaults filled in."""
+    return {**copy.deepcopy(DEFAULT_DIFFICULTY), **copy.deepcopy(spec.get("difficulty") or {})}
+
+
+def scenario_of(spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec's scenario slot distributions with defaults filled in."""
+    return {**DEFAULT_SCENARIO, **(spec.get("tasks", {}).get("scenario") or {})}
+
+
+def fill_text(text: str, slots: dict[str, str]) -> str:
+    """``$slot`` substitution limited to :data:`TEXT_SLOTS`; everything else stays literal text."""
+    return Template(text).safe_substitute({k: str(v) for k, v in slots.items() if k in TEXT_SLOTS})

@@ -53,34 +53,72 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def stale_keys(defs, instance) -> tuple[list, bool]:
-    """Asset keys that are missing or stale, and whether any is missing."""
-    from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
+def stale_items(defs, instance) -> dict[tuple, object]:
+    """``{(asset_key, partition_key | None): StaleStatus}`` for every materializable asset
+    (every registered partition of a partitioned one)."""
+    from dagster._core.definitions.data_version import CachingStaleStatusResolver
+    from dagster._core.loader import LoadingContextForTest
 
     graph = defs.resolve_asset_graph()
-    resolver = CachingStaleStatusResolver(instance=instance, asset_graph=graph)
-    statuses = {key: resolver.get_status(key) for key in graph.materializable_asset_keys}
-    stale = [k for k, s in statuses.items() if s != StaleStatus.FRESH]
-    return stale, any(statuses[k] == StaleStatus.MISSING for k in stale)
+    resolver = CachingStaleStatusResolver(instance, asset_graph=graph, loading_context=LoadingContextForTest(instance))
+    out = {}
+    for key in graph.materializable_asset_keys:
+        partitions_def = graph.get(key).partitions_def
+        if partitions_def is None:
+            out[(key, None)] = resolver.get_status(key)
+        else:
+            for pk in partitions_def.get_partition_keys(dynamic_partitions_store=instance):
+                out[(key, pk)] = resolver.get_status(key, pk)
+    return out
 
 
-def run_stale(defs, instance, job_name: str, *, max_waves: int = 20) -> list[str]:
-    """Materialize missing/stale assets until everything is fresh; return the run ids."""
+def plan_wave(defs, statuses: dict) -> list[tuple[str | None, list]]:
+    """The next runs: ``[(partition_key, asset_keys)]``. Unpartitioned work comes first, unless it
+    waits on stale partitions; missing assets run together with their missing descendants;
+    otherwise only the roots of staleness run, because a re-materialization that reproduces the
+    same data version leaves everything below it fresh."""
+    from dagster._core.definitions.data_version import StaleStatus
+
     graph = defs.resolve_asset_graph()
+    stale = {item: s for item, s in statuses.items() if s != StaleStatus.FRESH}
+    stale_keys = {k for k, _ in stale}
+    stale_partitioned = {k for k, pk in stale if pk is not None}
+
+    def pick(items: dict) -> list:
+        keys = {k for k, _ in items}
+        if any(s == StaleStatus.MISSING for s in items.values()):
+            return sorted(keys)
+        return sorted(k for k in keys if not (graph.get_ancestor_asset_keys(k) - {k}) & stale_keys)
+
+    unpartitioned = {
+        (k, pk): s for (k, pk), s in stale.items()
+        if pk is None and not (graph.get_ancestor_asset_keys(k) & stale_partitioned)
+    }
+    if unpartitioned:
+        return [(None, pick(unpartitioned))]
+    runs = []
+    for pk in sorted({pk for _, pk in stale if pk is not None}):
+        runs.append((pk, pick({(k, p): s for (k, p), s in stale.items() if p == pk})))
+    return runs
+
+
+def run_stale(defs, instance, job_name: str, *, max_waves: int = 50) -> list[str]:
+    """Materialize missing/stale assets in waves until everything is fresh; return the run ids."""
     job = defs.resolve_job_def(job_name)
     run_ids = []
     for _ in range(max_waves):
-        stale, any_missing = stale_keys(defs, instance)
-        if not stale:
+        runs = plan_wave(defs, stale_items(defs, instance))
+        if not runs:
             break
-        if any_missing:
-            selection = stale
-        else:  # only the roots of staleness: downstream may stay fresh if data versions hold
-            stale_set = set(stale)
-            selection = [k for k in stale if not (graph.get(k).ancestor_keys - {k}) & stale_set]
-        console.rule(f"materializing {', '.join(k.to_user_string() for k in selection)}")
-        result = job.execute_in_process(instance=instance, asset_selection=selection, raise_on_error=True)
-        run_ids.append(result.run_id)
+        for partition_key, keys in runs:
+            if not keys:
+                continue
+            where = f" [{partition_key}]" if partition_key else ""
+            console.rule(f"materializing {', '.join(k.to_user_string() for k in keys)}{where}")
+            result = job.execute_in_process(
+                instance=instance, asset_selection=keys, partition_key=partition_key, raise_on_error=True
+            )
+            run_ids.append(result.run_id)
     return run_ids
 
 

@@ -116,7 +116,7 @@ class TraceStore(ConfigurableResource):
                     "CREATE TEMP TABLE new_rows AS SELECT DISTINCT ON (trajectory_id) * FROM batch "
                     "WHERE trajectory_id NOT IN (SELECT trajectory_id FROM trajectories)"
                 )
-                inserted = conn.execute("SELECT count(*) FROM new_rows").fetchone()[0]
+                inserted = conn.execute("SELECT count(*) FROM new_rows").fetchall()[0][0]
                 conn.execute(
                     f"INSERT INTO trajectories SELECT {', '.join(_casts())} FROM new_rows"
                 )
@@ -152,12 +152,12 @@ class TraceStore(ConfigurableResource):
         )
         with self.connect() as conn:
             conn.register("batch", frame.to_arrow())
-            before = conn.execute("SELECT count(*) FROM labels").fetchone()[0]
+            before = conn.execute("SELECT count(*) FROM labels").fetchall()[0][0]
             conn.execute(
                 "INSERT OR IGNORE INTO labels SELECT trajectory_id, capability, CAST(run AS INTEGER), label, "
                 "rationale, analyst, dictionary_version, now() FROM batch"
             )
-            after = conn.execute("SELECT count(*) FROM labels").fetchone()[0]
+            after = conn.execute("SELECT count(*) FROM labels").fetchall()[0][0]
             conn.unregister("batch")
         return int(after - before)
 

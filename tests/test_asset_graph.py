@@ -14,9 +14,11 @@ EXPECTED = {
     "capability_stats": ["capability_dictionary", "label_matrix", "trajectory_splits"],
     "selected_capabilities": ["capability_dictionary", "capability_stats"],
     "capability_spec": ["capability_dictionary", "selected_capabilities"],
+    "synthetic_env": ["base_agent", "capability_spec"],
 }
-PARTITIONED = {"capability_spec"}
-CHECKS = {("label_matrix", "label_completeness"), ("capability_stats", "stats_sanity"), ("selected_capabilities", "c_star_not_empty")}
+PARTITIONED = {"capability_spec", "synthetic_env"}
+CHECKS = {("label_matrix", "label_completeness"), ("capability_stats", "stats_sanity"), ("selected_capabilities", "c_star_not_empty"),
+          ("synthetic_env", "calibration_and_fidelity")}
 
 
 def test_asset_graph_snapshot():

@@ -103,22 +103,37 @@ def plan_wave(defs, statuses: dict) -> list[tuple[str | None, list]]:
 
 
 def run_stale(defs, instance, job_name: str, *, max_waves: int = 50) -> list[str]:
-    """Materialize missing/stale assets in waves until everything is fresh; return the run ids."""
+    """Materialize missing/stale assets in waves until everything is fresh; return the run ids.
+
+    A run that fails (or whose blocking check fails) is reported and not retried in this
+    invocation; its partition's siblings and unrelated assets go on.
+    """
     job = defs.resolve_job_def(job_name)
-    run_ids = []
+    graph = defs.resolve_asset_graph()
+    run_ids: list[str] = []
+    failed: set[tuple] = set()
     for _ in range(max_waves):
-        runs = plan_wave(defs, stale_items(defs, instance))
+        statuses = stale_items(defs, instance)
+        blocked = {
+            (k, pk) for (k, pk) in statuses
+            for (fk, fpk) in failed
+            if (fpk is None or pk in (None, fpk)) and (k == fk or fk in graph.get_ancestor_asset_keys(k))
+        }
+        runs = plan_wave(defs, {item: s for item, s in statuses.items() if item not in blocked})
+        runs = [(pk, keys) for pk, keys in runs if keys]
         if not runs:
             break
         for partition_key, keys in runs:
-            if not keys:
-                continue
             where = f" [{partition_key}]" if partition_key else ""
             console.rule(f"materializing {', '.join(k.to_user_string() for k in keys)}{where}")
             result = job.execute_in_process(
-                instance=instance, asset_selection=keys, partition_key=partition_key, raise_on_error=True
+                instance=instance, asset_selection=keys, partition_key=partition_key, raise_on_error=False
             )
             run_ids.append(result.run_id)
+            if not result.success:
+                failed.update((k, partition_key) for k in keys)
+                console.print(f"[red]run {result.run_id} failed for {[k.to_user_string() for k in keys]}{where}; "
+                              f"see `make ui` for the logs. Continuing with the rest.[/]")
     return run_ids
 
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from dagster import AssetSelection, Definitions, FilesystemIOManager, define_asset_job
 
-from resources.analyst import AnalystResource
+from resources.llm import AnalystResource, SynthesizerResource
 from resources.models import ModelResource
 from resources.store import TraceStore
 from trace_assets import paths
 from trace_assets.assets.foundation import build_foundation_assets
 from trace_assets.assets.identify import build_identify_assets
+from trace_assets.assets.synthesize import build_synthesize_assets
 from trace_assets.settings import Settings, load_settings
 
 MAIN_JOB = "trace_main"
@@ -20,9 +21,9 @@ MAIN_JOB = "trace_main"
 
 def build_definitions(settings: Settings | None = None) -> Definitions:
     settings = settings or load_settings()
-    identify = build_identify_assets(settings)
-    assets = [a for a in [*build_foundation_assets(settings), *identify] if not _is_check(a)]
-    checks = [a for a in identify if _is_check(a)]
+    everything = [*build_foundation_assets(settings), *build_identify_assets(settings), *build_synthesize_assets(settings)]
+    assets = [a for a in everything if not _is_check(a)]
+    checks = [a for a in everything if _is_check(a)]
     main_job = define_asset_job(MAIN_JOB, selection=AssetSelection.all(), description="The whole TRACE loop.")
     return Definitions(assets=assets, asset_checks=checks, jobs=[main_job], resources=build_resources(settings))
 
@@ -35,6 +36,10 @@ def build_resources(settings: Settings) -> dict:
         "analyst": AnalystResource(
             kind=settings.analyst.kind, base_url=settings.analyst.base_url, model=settings.analyst.model,
             temperature=settings.analyst.temperature, max_retries=settings.analyst.max_retries,
+        ),
+        "synthesizer": SynthesizerResource(
+            kind=settings.synthesis.kind, base_url=settings.synthesis.base_url, model=settings.synthesis.model,
+            max_retries=settings.synthesis.max_retries,
         ),
         "io_manager": FilesystemIOManager(base_dir=str(paths.sub("dagster", "io"))),
     }

@@ -85,3 +85,24 @@ def png_metadata(png: bytes, name: str) -> dict[str, Any]:
         f"{name}_png": MetadataValue.path(str(path)),
         f"{name}": MetadataValue.md(f"![{name}](data:image/png;base64,{encoded})"),
     }
+
+
+def reward_histogram(rewards: list[float], *, title: str = "") -> bytes:
+    """PNG histogram of episode rewards in [0, 1] (10 bins)."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    ax.hist(rewards, bins=[i / 10 for i in range(11)], color="tab:blue", edgecolor="white")
+    ax.set_xlabel("episode reward")
+    ax.set_ylabel("episodes")
+    ax.set_title(title or f"{len(rewards)} episodes")
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()

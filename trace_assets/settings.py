@@ -94,6 +94,23 @@ class SelectionSettings:
 
 
 @dataclass(frozen=True)
+class SynthesisSettings:
+    """Step 2: how each capability's environment is written and calibrated."""
+
+    kind: str = "template"  # "template" (offline) or "llm"
+    base_url: str = "http://127.0.0.1:8000/v1"
+    model: str = "demo"
+    max_retries: int = 2
+    calibration_seeds: int = 32
+    calibration_k: int = 4
+    temperature: float = 1.0
+    band: tuple[float, float] = (0.2, 0.6)
+    min_informative: float = 0.5
+    max_rounds: int = 5
+    max_steps: int = 16  # interaction steps per calibration episode
+
+
+@dataclass(frozen=True)
 class Settings:
     profile: str = "demo"
     base_model: str = "demo"  # "demo" | "tiny" | an HF model id | a local path
@@ -102,6 +119,7 @@ class Settings:
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     analyst: AnalystSettings = field(default_factory=AnalystSettings)
     selection: SelectionSettings = field(default_factory=SelectionSettings)
+    synthesis: SynthesisSettings = field(default_factory=SynthesisSettings)
 
     def selection_rule(self):
         """The ``SelectionRule`` for these settings, K and N defaulted by the analyst kind."""
@@ -128,6 +146,7 @@ TINY = Settings(
     tasks=TaskSettings(demo_per_family=1, train_per_family=1, test_per_family=1),
     warmstart=WarmStartSettings(epochs=1, batch_size=4, max_length=1024),
     rollout=RolloutSettings(max_steps=4, max_new_tokens=24, max_context_tokens=2048),
+    synthesis=SynthesisSettings(calibration_seeds=2, calibration_k=2, max_rounds=2, max_steps=3),
 )
 PROFILES = {"demo": Settings(), "tiny": TINY}
 

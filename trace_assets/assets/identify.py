@@ -27,7 +27,7 @@ from dagster import (
     asset_check,
 )
 
-from resources.analyst import AnalystResource
+from resources.llm import AnalystResource
 from resources.store import TraceStore
 from trace_assets.identify.capabilities import Capability, dictionary_version
 from trace_assets.identify.stats import aggregate, run_stats_sql, select
@@ -262,12 +262,16 @@ def build_identify_assets(settings: Settings) -> list:
             entry = chosen[name]
             spec = {k: entry[k] for k in ("name", "description", "failure_modes")}
             justification = entry["justification"]
+            examples = justification["example_failed_trajectory_ids"]
         elif name in known:
             spec, justification = known[name].spec(), None
+            examples = known[name].example_trajectory_ids
         else:
             raise Failure(f"capability {name!r} is in neither C* nor the current dictionary; its history is kept")
+        # Example ids travel with the spec for Step 2 but stay out of the data version: new
+        # examples of the same capability must not make its environment or adapter stale.
         return Output(
-            spec,
+            {**spec, "example_trajectory_ids": examples, "selected": name in chosen},
             data_version=DataVersion(stable_hash(spec)),
             metadata={
                 "selected": name in chosen, "spec_hash": stable_hash(spec),

@@ -1,0 +1,108 @@
+"""The pipeline through Step 2 on a real, persistent Dagster instance with the tiny profile, and
+the selective re-materialization contract of Step 1:
+
+* changing delta or rho makes only ``selected_capabilities`` stale, and re-materializing it makes
+  no analyst call and relabels nothing;
+* a capability whose spec did not change keeps its downstream partitions fresh;
+* a capability that left C* keeps its partition and history, marked not selected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from dagster import AssetCheckKey, AssetKey, AssetRecordsFilter, DagsterInstance
+from dagster._core.definitions.data_version import StaleStatus
+
+from trace_assets.cli import stale_items
+from trace_assets.settings import TINY
+
+def _defs(settings):
+    from trace_assets.definitions import build_definitions
+
+    return build_definitions(settings)
+
+
+def _materialize_stale(defs, instance):
+    """Run the demo runner's waves (the code path of `make demo`)."""
+    from trace_assets.cli import run_stale
+
+    return run_stale(defs, instance, "trace_main")
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    home = tmp_path_factory.mktemp("pipeline")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRACE_DATA_DIR", str(home / "data"))
+    (home / "dagster").mkdir()
+    instance = DagsterInstance.local_temp(str(home / "dagster"))
+    defs = _defs(TINY)
+    runs = _materialize_stale(defs, instance)
+    yield defs, instance, runs
+    mp.undo()
+
+
+def test_everything_fresh_after_the_demo_runner(pipeline):
+    defs, instance, runs = pipeline
+    assert runs, "the first run materializes something"
+    statuses = stale_items(defs, instance)
+    assert statuses and all(s == StaleStatus.FRESH for s in statuses.values()), statuses
+    names = instance.get_dynamic_partitions("capability")
+    assert names, "the tiny pipeline selects at least one capability"
+    assert {pk for (k, pk) in statuses if k == AssetKey("synthetic_env")} == set(names)
+    # a second run without changes recomputes nothing
+    assert _materialize_stale(defs, instance) == []
+
+
+def test_labels_are_complete_and_checks_ran(pipeline):
+    defs, instance, _ = pipeline
+    store = defs.resources["store"]
+    mat = instance.get_latest_materialization_event(AssetKey("label_matrix")).asset_materialization
+    assert mat.metadata["labels"].value == mat.metadata["expected_labels"].value > 0
+    stats = store.query("SELECT * FROM capability_run_stats")
+    assert stats.height > 0 and stats["er_minus"].is_between(0, 1).all()
+    check = instance.event_log_storage.get_latest_asset_check_execution_by_key(
+        [AssetCheckKey(AssetKey("label_matrix"), "label_completeness")])
+    assert check
+
+
+def test_changing_thresholds_reselects_without_relabelling(pipeline):
+    defs, instance, _ = pipeline
+    store = defs.resources["store"]
+    labels_before = store.query("SELECT count(*) AS n FROM labels").item()
+    label_event = instance.get_latest_materialization_event(AssetKey("label_matrix"))
+    before = instance.get_latest_materialization_event(AssetKey("selected_capabilities")).asset_materialization
+    c_star_before = before.metadata["c_star"].value
+
+    # rho high enough to drop some, but not all, capabilities of the tiny pipeline
+    stats = store.query("SELECT capability, avg(cov) AS cov FROM capability_run_stats GROUP BY ALL ORDER BY cov")
+    selected_covs = sorted(c for name, c in stats.iter_rows() if name in c_star_before)
+    assert len(selected_covs) >= 2, f"need two capabilities with different coverage: {stats}"
+    new_rho = (selected_covs[0] + selected_covs[-1]) / 2
+    assert selected_covs[0] < new_rho <= selected_covs[-1]
+    changed = dataclasses.replace(TINY, selection=dataclasses.replace(TINY.selection, rho=new_rho))
+    defs2 = _defs(changed)
+
+    stale = {k.to_user_string() for (k, pk), s in stale_items(defs2, instance).items() if s != StaleStatus.FRESH}
+    assert stale == {"selected_capabilities"}
+
+    _materialize_stale(defs2, instance)
+    assert store.query("SELECT count(*) AS n FROM labels").item() == labels_before
+    assert instance.get_latest_materialization_event(AssetKey("label_matrix")).run_id == label_event.run_id
+    after = instance.get_latest_materialization_event(AssetKey("selected_capabilities")).asset_materialization
+    c_star_after = after.metadata["c_star"].value
+    left = set(c_star_before) - set(c_star_after)
+    assert left and set(c_star_after) < set(c_star_before)
+
+    # the departed capability keeps its partition and history, marked not selected
+    assert set(c_star_before) <= set(instance.get_dynamic_partitions("capability"))
+    for name in left:
+        records = instance.fetch_materializations(
+            AssetRecordsFilter(asset_key=AssetKey("capability_spec"), asset_partitions=[name]), limit=5).records
+        assert records[0].asset_materialization.metadata["selected"].value is False
+        assert len(records) >= 2
+    # specs did not change, so every synthetic environment stays fresh: nothing is re-synthesized
+    statuses = stale_items(defs2, instance)
+    assert all(s == StaleStatus.FRESH for s in statuses.values()), {k: s for k, s in statuses.items() if s != StaleStatus.FRESH}

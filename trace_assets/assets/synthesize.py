@@ -1,0 +1,114 @@
+"""Step 2 asset: synthetic_env, one validated, calibrated environment per capability partition.
+
+The spec is data (``trace_assets/schemas/envspec.schema.json``), written by the configured
+synthesizer, checked for fidelity and gold-solvability, then calibrated on base-agent rollouts at
+the training temperature. A blocking check carries calibration and fidelity, so an environment
+that fails never reaches training. A spec the synthesizer cannot repair fails the run and leaves
+the partition's previous materialization intact. Specs are stored content-addressed under
+``<data>/envs/<capability>/<spec_hash>.json`` and never overwritten.
+"""
+
+import json
+from typing import Any
+
+from dagster import AssetCheckResult, AssetCheckSpec, AssetExecutionContext, DataVersion, Failure, MetadataValue, Output, asset
+
+from resources.llm import SynthesizerResource
+from resources.models import ModelResource
+from resources.store import TraceStore
+from trace_assets import paths
+from trace_assets.assets.identify import capability_partitions
+from trace_assets.envs import get_environment
+from trace_assets.reporting import png_metadata, reward_histogram, to_markdown
+from trace_assets.settings import Settings, stable_hash
+from trace_assets.trajectories import render_markdown
+
+GROUP = "synthesize"
+
+
+def build_synthesize_assets(settings: Settings) -> list:
+    syn = settings.synthesis
+
+    @asset(
+        group_name=GROUP, partitions_def=capability_partitions, kinds={"json"},
+        code_version=stable_hash([syn.__dict__, settings.section_hash("rollout")]),
+        check_specs=[AssetCheckSpec("calibration_and_fidelity", asset="synthetic_env", blocking=True,
+                                    description="Fidelity to the target, gold-solvable, calibrated reward band.")],
+    )
+    def synthetic_env(
+        context: AssetExecutionContext, synthesizer: SynthesizerResource, models: ModelResource,
+        store: TraceStore, capability_spec: dict, base_agent: dict,
+    ):
+        """The capability's training environment: an EnvSpec interpreted on the target's machinery."""
+        from trace_assets.agent.rollout import RolloutConfig, run_rollouts
+        from trace_assets.llm import LLMError
+        from trace_assets.synthesize import SyntheticEnv, calibrate, check_spec, isolation, spec_hash
+
+        name = context.partition_key
+        target = get_environment(settings.tasks.env)
+        wanted = set(capability_spec.get("example_trajectory_ids", []))
+        failed = [t for t in store.trajectories(split="train") if t["trajectory_id"] in wanted]
+        capability = {k: capability_spec[k] for k in ("name", "description", "failure_modes")}
+        try:
+            spec, rejected = synthesizer.synthesize(capability, target, failed)
+        except LLMError as exc:
+            raise Failure(f"synthetic_env[{name}]: no valid spec; the previous materialization is kept. {exc}") from exc
+        problems = check_spec(spec, target, seeds=2)
+        if problems:
+            raise Failure(f"synthetic_env[{name}]: spec rejected; the previous materialization is kept: {problems[:5]}")
+
+        model, tokenizer = models.load(base_agent["path"])
+        backend = models.backend(model, tokenizer)
+        last: dict[str, Any] = {}
+
+        def rollout_fn(env, tasks, k, temperature):
+            config = RolloutConfig(max_steps=syn.max_steps, max_new_tokens=settings.rollout.max_new_tokens,
+                                   max_context_tokens=settings.rollout.max_context_tokens,
+                                   temperature=temperature, seed=len(last.get("rounds", [])))
+            repeated = [t for t in tasks for _ in range(k)]
+            context.log.info(f"calibration round {len(last.get('rounds', []))}: {len(repeated)} episodes at T={temperature}")
+            rollouts = run_rollouts(env, repeated, backend, tokenizer, config)
+            last.setdefault("rounds", []).append(len(rollouts))
+            last["rollouts"] = rollouts
+            return [r.result for r in rollouts]
+
+        report = calibrate(spec, target, rollout_fn, seeds=syn.calibration_seeds, k=syn.calibration_k,
+                           temperature=syn.temperature, band=tuple(syn.band), min_informative=syn.min_informative,
+                           max_rounds=syn.max_rounds)
+        final = report.spec
+        digest = spec_hash(final)
+        folder = paths.sub("envs", name)
+        spec_path = folder / f"{digest}.json"
+        if not spec_path.exists():
+            tmp = folder / f".{digest}.json.tmp"
+            tmp.write_text(json.dumps(final, indent=2, sort_keys=True))
+            tmp.replace(spec_path)
+        rollouts = last.get("rollouts", [])
+        iso = isolation([r.result for r in rollouts], name)
+        rewards = [r.result.reward for r in rollouts]
+        env = SyntheticEnv(final, target)
+        sample = max(rollouts, key=lambda r: r.result.reward, default=None)
+        n_calibration = sum(last.get("rounds", []))
+        value = {
+            "capability": name, "spec_path": str(spec_path), "spec_hash": digest, "env_name": env.name,
+            "calibration": report.to_dict(), "isolation": iso, "rejected_specs": rejected,
+            "calibration_rollouts": n_calibration,
+        }
+        metadata: dict[str, Any] = {
+            "spec_hash": digest, "spec_path": MetadataValue.path(str(spec_path)), "synthesizer": synthesizer.kind,
+            "calibration_rounds": len(report.rounds), "calibrated": report.passed, "calibration_rollouts": n_calibration,
+            "calibration": MetadataValue.md(to_markdown(__import__("polars").DataFrame(
+                [{k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in r.items()} for r in report.rounds]))),
+            "isolation": MetadataValue.json(iso), "rejected_specs": MetadataValue.json(rejected),
+        }
+        if rewards:
+            metadata.update(png_metadata(reward_histogram(rewards, title=f"{name}: last calibration round"), "reward_histogram"))
+        if sample is not None:
+            metadata["sample_episode"] = MetadataValue.md(render_markdown(sample.messages))
+        yield Output(value, data_version=DataVersion(digest), metadata=metadata)
+        yield AssetCheckResult(
+            check_name="calibration_and_fidelity", passed=report.passed,
+            description=report.reason, metadata={"rounds": MetadataValue.json(report.rounds), "isolation": MetadataValue.json(iso)},
+        )
+
+    return [synthetic_env]

@@ -53,6 +53,12 @@ def _body_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Mo
     return causal_lm.get_decoder(), causal_lm.get_output_embeddings()
 
 
+def shared_prefix_len(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
+    """Length of the token prefix that every row shares (and attends to)."""
+    same = (input_ids == input_ids[:1]).all(dim=0) & attention_mask.bool().all(dim=0)
+    return int(same.long().cumprod(dim=0).sum())
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -60,14 +66,35 @@ def token_logprobs(
     target_mask: torch.Tensor,
     *,
     temperature: float = 1.0,
+    min_shared_prefix: int = 32,
 ) -> torch.Tensor:
     """Log-probs of ``input_ids[b, t]`` for every position where ``target_mask[b, t]`` is 1.
 
     Returns a 1-D tensor in row-major order of the selected positions. Position 0 can never be a
     target (nothing predicts it). LoRA layers injected by PEFT are active inside the body.
+    Rows are right-padded.
+
+    When every row starts with the same ``>= min_shared_prefix`` tokens (the system prompt and
+    tool schemas of one environment), the prefix runs once and its keys/values are broadcast to the
+    batch. Gradients still flow through it, so values and gradients equal the plain path up to
+    float rounding; only the compute shrinks (the prefix is often most of the tokens).
     """
     body, head = _body_and_head(model)
-    hidden = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    prefix = shared_prefix_len(input_ids, attention_mask) if input_ids.shape[0] > 1 else 0
+    prefix = min(prefix, input_ids.shape[1] - 1)
+    if prefix >= min_shared_prefix:
+        batch = input_ids.shape[0]
+        first = body(input_ids=input_ids[:1, :prefix], attention_mask=attention_mask[:1, :prefix], use_cache=True)
+        cache = first.past_key_values
+        for layer in cache.layers:  # broadcast, not copy: one prefix computation serves every row
+            layer.keys = layer.keys.expand(batch, -1, -1, -1)
+            layer.values = layer.values.expand(batch, -1, -1, -1)
+        positions = torch.arange(prefix, input_ids.shape[1], device=input_ids.device).expand(batch, -1)
+        rest = body(input_ids=input_ids[:, prefix:], attention_mask=attention_mask, past_key_values=cache,
+                    position_ids=positions, use_cache=True).last_hidden_state
+        hidden = torch.cat([first.last_hidden_state.expand(batch, -1, -1), rest], dim=1)
+    else:
+        hidden = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     select = target_mask[:, 1:].bool()
     logits = head(hidden[:, :-1][select]).float()
     if temperature != 1.0:

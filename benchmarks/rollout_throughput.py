@@ -1,13 +1,20 @@
-"""Rollout throughput vs raw batched generation (measured, not asserted).
+"""Rollout throughput: backend variants vs raw batched generation (measured, not asserted).
 
 Runs N episodes through the batched multi-turn runner (the built-in ``retail`` environment when
-importable, else a small fake one) and compares generated tokens/s with a plain batched
-``generate`` over N sequences with the same ``max_new_tokens`` and no environment. The ratio shows
-what the multi-turn loop costs: growing contexts re-prefilled every turn (no KV-cache reuse across
-turns), shrinking batches as episodes finish, and the environment/tokenizer work.
+importable, else a small fake one) once per backend variant, all in ONE process so the numbers are
+comparable on a shared machine, and prints generated tokens/s and the ratio to the baseline:
+
+* ``raw batched generate``: HF ``generate`` over the N first prompts, no environment (baseline);
+* ``rollouts hf fp32``: the old backend (HF ``generate``, whole conversations re-prefilled);
+* ``rollouts kv fp32``: the KV-loop engine without the shared-prefix cache;
+* ``rollouts kv+prefix fp32``: with the shared-prefix cache (the default backend);
+* ``rollouts kv+prefix bf16``: the same under bf16 autocast.
+
+``same`` says whether a variant's rollouts are token-identical to the old backend's (expected for
+the fp32 variants at ``--temperature 0``; sampling streams differ between engines at T > 0).
 
     .venv/bin/python benchmarks/rollout_throughput.py --model tiny --episodes 8
-    .venv/bin/python benchmarks/rollout_throughput.py --model demo --episodes 32
+    .venv/bin/python benchmarks/rollout_throughput.py --model demo --episodes 8 --max-steps 4
 """
 
 from __future__ import annotations
@@ -75,15 +82,23 @@ class _TimedBackend:
     """Wraps a backend to separate generation time from the runner's own overhead."""
 
     def __init__(self, inner: TransformersBackend) -> None:
-        self.inner, self.name, self.seconds, self.calls, self.prefill = inner, inner.name, 0.0, 0, 0
+        self.inner, self.name, self.seconds, self.calls, self.prompt_tokens = inner, inner.name, 0.0, 0, 0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         start = time.perf_counter()
         out = self.inner.generate(prompts, params)
         self.seconds += time.perf_counter() - start
         self.calls += 1
-        self.prefill += sum(len(p) for p in prompts)  # whole conversations are re-prefilled each turn
+        self.prompt_tokens += sum(len(p) for p in prompts)
         return out
+
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "rollouts hf fp32": dict(engine="hf", dtype="float32"),
+    "rollouts kv fp32": dict(engine="kv", prefix_cache=False, dtype="float32"),
+    "rollouts kv+prefix fp32": dict(engine="kv", prefix_cache=True, dtype="float32"),
+    "rollouts kv+prefix bf16": dict(engine="kv", prefix_cache=True, dtype="bfloat16"),
+}
 
 
 def _environment(name: str) -> Any:
@@ -101,13 +116,14 @@ def _environment(name: str) -> Any:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="demo", help="demo, tiny, an HF id or a path")
-    ap.add_argument("--episodes", type=int, default=32)
+    ap.add_argument("--episodes", type=int, default=8)
     ap.add_argument("--env", default="retail", help="retail (default) or fake")
     ap.add_argument("--max-steps", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
     args = ap.parse_args()
 
     import torch
@@ -120,46 +136,70 @@ def main() -> None:
     env = _environment(args.env)
     families = env.families()
     tasks = [env.make_task(families[i % len(families)], 1000 + i) for i in range(args.episodes)]
-    backend = _TimedBackend(TransformersBackend(model, tokenizer, batch_size=args.batch_size))
     config = RolloutConfig(max_steps=args.max_steps, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, seed=0)
+    print(f"model={args.model} env={env.name} episodes={args.episodes} max_steps={args.max_steps} "
+          f"max_new_tokens={args.max_new_tokens} T={args.temperature} threads={torch.get_num_threads()} "
+          f"(load {load_s:.1f}s)", flush=True)
 
-    t0 = time.perf_counter()
-    rollouts = run_rollouts(env, tasks, backend, tokenizer, config)
-    roll_s = time.perf_counter() - t0
-    roll_tokens = sum(r.n_generated for r in rollouts)
-    steps = sum(r.steps for r in rollouts)
-    ctx = max(len(r.token_ids) for r in rollouts)
-    first_prompt = sum(r.prompt_len for r in rollouts) / max(1, len(rollouts))
-
-    # Raw: one plain batched generate over the same first prompts, no environment.
-    prompts = [r.token_ids[: r.prompt_len] for r in rollouts if r.prompt_len]
+    # Baseline: one plain batched HF generate over the first prompts, no environment.
+    first = run_rollouts(env, tasks, _NoGen(), tokenizer, RolloutConfig(max_steps=1, max_new_tokens=args.max_new_tokens))
+    prompts = [r.token_ids[: r.prompt_len] for r in first if r.prompt_len]
+    print(f"first prompt ~{sum(map(len, prompts)) / max(1, len(prompts)):.0f} tokens", flush=True)
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=0)
-    raw_backend = TransformersBackend(model, tokenizer, batch_size=args.batch_size)
+    raw_backend = TransformersBackend(model, tokenizer, batch_size=args.batch_size, engine="hf", dtype="float32")
+    _warm_up(raw_backend, prompts)
     t0 = time.perf_counter()
     raw = raw_backend.generate(prompts, params)
     raw_s = time.perf_counter() - t0
     raw_tokens = sum(len(g.token_ids) for g in raw)
+    raw_tps = raw_tokens / raw_s
+    rows: list[tuple[str, int, int, float, float, str, str]] = [
+        ("raw batched generate", sum(map(len, prompts)), raw_tokens, raw_s, raw_tps, "", "")]
 
-    roll_tps, raw_tps = roll_tokens / roll_s, raw_tokens / raw_s
-    reasons: dict[str, int] = {}
-    for r in rollouts:
-        reasons[r.stop_reason] = reasons.get(r.stop_reason, 0) + 1
-    print(f"model={args.model} env={env.name} episodes={args.episodes} max_steps={args.max_steps} "
-          f"max_new_tokens={args.max_new_tokens} T={args.temperature} threads={torch.get_num_threads()} "
-          f"(load {load_s:.1f}s)")
-    print(f"first prompt ~{first_prompt:.0f} tokens; longest conversation {ctx} tokens; {steps} turns; "
-          f"{backend.calls} generate calls; stop reasons {reasons}")
-    rows = [
-        ("rollouts (multi-turn)", backend.prefill, roll_tokens, roll_s, roll_tps),
-        ("raw batched generate", sum(len(p) for p in prompts), raw_tokens, raw_s, raw_tps),
-    ]
-    print(f"{'':24}{'prefill':>9}{'generated':>11}{'seconds':>9}{'gen tok/s':>11}")
-    for name, prefill, tokens, secs, tps in rows:
-        print(f"{name:24}{prefill:>9}{tokens:>11}{secs:>9.1f}{tps:>11.1f}")
-    overhead = roll_s - backend.seconds
-    print(f"ratio rollout/raw = {roll_tps / raw_tps:.2f}; runner+env overhead {overhead:.2f}s "
-          f"({100 * overhead / roll_s:.1f}% of rollout time)")
+    reference: list[list[int]] | None = None
+    for name in [v.strip() for v in args.variants.split(",") if v.strip()]:
+        inner = TransformersBackend(model, tokenizer, batch_size=args.batch_size, **VARIANTS[name])
+        _warm_up(inner, prompts)
+        backend = _TimedBackend(inner)
+        t0 = time.perf_counter()
+        rollouts = run_rollouts(env, tasks, backend, tokenizer, config)
+        secs = time.perf_counter() - t0
+        tokens = sum(r.n_generated for r in rollouts)
+        ids = [r.token_ids for r in rollouts]
+        if name == "rollouts hf fp32":
+            reference = ids
+        same = "" if reference is None or name == "rollouts hf fp32" else ("yes" if ids == reference else "no")
+        reasons: dict[str, int] = {}
+        for r in rollouts:
+            reasons[r.stop_reason] = reasons.get(r.stop_reason, 0) + 1
+        extra = (f"{backend.calls} calls, {sum(r.steps for r in rollouts)} turns, "
+                 f"longest {max(len(r.token_ids) for r in rollouts)} tok, env+runner {secs - backend.seconds:.1f}s, "
+                 f"prefix builds {inner.prefix_computations} ({inner.prefix_tokens_computed} tok), {reasons}")
+        rows.append((name, backend.prompt_tokens, tokens, secs, tokens / secs, same, extra))
+        print(f"  done {name}: {tokens / secs:.1f} tok/s ({extra})", flush=True)
+
+    print(f"{'':26}{'prompt tok':>11}{'generated':>10}{'seconds':>9}{'gen tok/s':>10}{'x raw':>7}{'same':>6}")
+    for name, prompt_tokens, tokens, secs, tps, same, _ in rows:
+        print(f"{name:26}{prompt_tokens:>11}{tokens:>10}{secs:>9.1f}{tps:>10.1f}{tps / raw_tps:>7.2f}{same:>6}")
+    old = next((r for r in rows if r[0] == "rollouts hf fp32"), None)
+    if old:
+        for name, *_, tps, _same, _extra in rows[2:]:
+            print(f"speed-up {name} vs rollouts hf fp32: {tps / old[4]:.2f}x")
+
+
+def _warm_up(backend: TransformersBackend, prompts: list[list[int]]) -> None:
+    """One tiny call first: the first forward pass (and first autocast) pays one-off setup costs."""
+    backend.generate([prompts[0][:32]], SamplingParams(temperature=0.0, max_new_tokens=2))
+
+
+class _NoGen:
+    """A backend that is never asked to generate: run_rollouts with it only renders first prompts."""
+
+    name = "nogen"
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        return [Generation([], "", [], "length") for _ in prompts]
 
 
 if __name__ == "__main__":

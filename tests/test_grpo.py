@@ -1,0 +1,325 @@
+"""GRPO: the math against hand-computed numbers, masking, real iterations with the tiny model,
+resume after a crash, the NaN stop, error reporting and the hint swap."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from trace_assets.agent.backends import Generation
+from trace_assets.agent.chat import render
+from trace_assets.agent.model import load_model
+from trace_assets.envs import get_environment
+from trace_assets.synthesize import SyntheticEnv, template_spec
+from trace_assets.train import grpo
+from trace_assets.train.grpo import (
+    TINY,
+    GRPOConfig,
+    GRPOTrainer,
+    NonFiniteLossError,
+    RolloutError,
+    clip_fraction,
+    clipped_surrogate_loss,
+    group_advantages,
+)
+
+TARGET = get_environment("retail")
+
+
+# ---------------------------------------------------------------- math
+
+
+def test_group_advantages_hand_computed():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 3.0, 0.0]])
+    adv = group_advantages(rewards, eps=0.0)
+    assert adv[0].tolist() == [1.0, -1.0, -1.0, 1.0]  # mean 0.5, population std 0.5
+    assert torch.isnan(adv[1]).all()  # 0 / 0: equal rewards need the eps ...
+    assert torch.equal(group_advantages(rewards, eps=1e-4)[1], torch.zeros(4, dtype=torch.float64))
+    # mean 0.75, std sqrt((3 * 0.5625 + 5.0625) / 4) = sqrt(1.6875)
+    std = math.sqrt(1.6875)
+    assert adv[2].tolist() == pytest.approx([-0.75 / std, -0.75 / std, 2.25 / std, -0.75 / std])
+    # eps adds to the std: [0, 1] has std 0.5, so eps = 0.5 halves the advantages
+    assert group_advantages(torch.tensor([[0.0, 1.0]]), eps=0.5).tolist() == [[-0.5, 0.5]]
+    assert group_advantages(torch.tensor([[0.0, 1.0]]), eps=1e-4)[0, 1].item() == pytest.approx(0.5 / 0.5001)
+
+
+def _hand_example():
+    # ratio 1.5 (A=+1, clipped at 1.2), 0.5 (A=+1), 0.5 (A=-1, clipped at 0.8), 1.0 (A=+2); one masked token.
+    logprobs = torch.tensor([math.log(1.5), math.log(0.5), math.log(0.5), 0.0, 7.0], requires_grad=True)
+    old = torch.zeros(5)
+    adv = torch.tensor([1.0, 1.0, -1.0, 2.0, 5.0])
+    mask = torch.tensor([1, 1, 1, 1, 0])
+    return logprobs, old, adv, mask
+
+
+def test_clipped_surrogate_loss_hand_computed():
+    logprobs, old, adv, mask = _hand_example()
+    loss = clipped_surrogate_loss(logprobs, old, adv, mask, epsilon=0.2)
+    # per token -min(rA, clip(r)A): -1.2, -0.5, +0.8, -2.0 -> mean over 4 tokens
+    assert loss.item() == pytest.approx((-1.2 - 0.5 + 0.8 - 2.0) / 4)
+    loss.backward()
+    # clipped tokens get no gradient; unclipped ones get -A * ratio / N
+    assert logprobs.grad.tolist() == pytest.approx([0.0, -0.5 / 4, 0.0, -2.0 / 4, 0.0])
+    assert clip_fraction(logprobs.detach(), old, adv, mask, epsilon=0.2).item() == pytest.approx(0.5)
+    # a global normalizer (all tokens of the iteration) rescales
+    total = clipped_surrogate_loss(logprobs, old, adv, mask, epsilon=0.2, normalizer=8)
+    assert total.item() == pytest.approx(-2.9 / 8)
+
+
+def test_kl_term_hand_computed():
+    lp, ref = torch.tensor([0.0]), torch.tensor([math.log(0.5)])
+    # k3: exp(ref - lp) - (ref - lp) - 1 = 0.5 + ln 2 - 1; the advantage is 0
+    loss = clipped_surrogate_loss(lp, lp, torch.zeros(1), torch.ones(1), ref_logprobs=ref, beta=0.1)
+    assert loss.item() == pytest.approx(0.1 * (0.5 + math.log(2) - 1))
+    off = clipped_surrogate_loss(lp, lp, torch.zeros(1), torch.ones(1), ref_logprobs=ref, beta=0.0)
+    assert off.item() == 0.0
+
+
+def test_masked_tokens_contribute_nothing_to_loss_or_gradient():
+    torch.manual_seed(0)
+    base = torch.randn(3, 7) - 2
+    old = base + 0.1 * torch.randn(3, 7)
+    adv = torch.randn(3, 1).expand(3, 7)
+    mask = (torch.rand(3, 7) > 0.4).int()
+    mask[0, 0] = 0
+    mask[1, 1] = 1
+
+    def loss_and_grad(logprobs, old_logprobs):
+        x = logprobs.clone().requires_grad_(True)
+        loss = clipped_surrogate_loss(x, old_logprobs, adv, mask, ref_logprobs=x.detach() - 0.3, beta=0.05)
+        loss.backward()
+        return loss.detach(), x.grad
+
+    loss_a, grad_a = loss_and_grad(base, old)
+    perturbed, perturbed_old = base.clone(), old.clone()
+    masked = mask == 0
+    perturbed[masked] = torch.tensor([float("nan"), float("inf"), -float("inf"), 50.0]).repeat(21)[: int(masked.sum())]
+    perturbed_old[masked] = -1e9
+    loss_b, grad_b = loss_and_grad(perturbed, perturbed_old)
+    assert torch.equal(loss_a, loss_b)
+    assert torch.equal(grad_a, grad_b)
+    assert torch.all(grad_a[masked] == 0) and torch.any(grad_a[~masked] != 0)
+
+
+# ---------------------------------------------------------------- trainer fixtures
+
+
+def _env(hint_share: float = 0.25) -> SyntheticEnv:
+    spec = template_spec({"name": "confirm_before_writing", "description": "Ask before writes."}, TARGET)
+    spec["difficulty"]["hint_share"] = hint_share
+    return SyntheticEnv(spec, TARGET)
+
+
+class ScriptedBackend:
+    """Every prompt of a round gets the same text with log-prob -0.5 per token (no model needed)."""
+
+    name = "scripted"
+
+    def __init__(self, tokenizer, texts=("I can help with that. What is your email?",)):
+        self.tokenizer, self.texts, self.calls = tokenizer, texts, 0
+
+    def generate(self, prompts, params):
+        text = self.texts[min(self.calls, len(self.texts) - 1)] + "<|im_end|>"
+        self.calls += 1
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return [Generation(list(ids), self.tokenizer.decode(ids), [-0.5] * len(ids), "stop") for _ in prompts]
+
+
+def _alternating_reward():
+    counter = itertools.count()
+    return lambda rollout: float(next(counter) % 2)  # 0, 1, 0, 1: every group has a spread
+
+
+def _split_state(model):
+    lora, base = {}, {}
+    for name, tensor in model.state_dict().items():
+        (lora if "lora_" in name else base)[name] = tensor.detach().clone()
+    return lora, base
+
+
+def _scripted(tokenizer):
+    return lambda model, tok: ScriptedBackend(tokenizer)
+
+
+# ---------------------------------------------------------------- real iterations and resume
+
+
+class Crash(Exception):
+    pass
+
+
+def test_real_iterations_train_only_the_adapter_and_resume_after_a_crash(tiny_model_path, tmp_path):
+    config = replace(TINY, iterations=2)
+    model, tokenizer = load_model(str(tiny_model_path))
+    base_before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def crash_after_first(metrics):
+        if metrics.iteration == 1:
+            raise Crash("killed")
+
+    trainer = GRPOTrainer(model, tokenizer, _env(), config, tmp_path, reward_fn=_alternating_reward(),
+                          progress=crash_after_first)
+    lora_init, _ = _split_state(trainer.model)
+    with pytest.raises(Crash):
+        trainer.train()
+    first = trainer.history[0]
+    assert first.iteration == 1 and first.optimizer_steps == 1 and first.trained_sequences == 4
+    assert math.isfinite(first.loss) and first.grad_norm > 0 and first.gen_time_s > 0 and first.opt_time_s > 0
+    lora_after, base_after = _split_state(trainer.model)
+    assert any(not torch.equal(lora_init[k], lora_after[k]) for k in lora_init)  # the adapter moved
+    # the base is bit-exactly untouched (PEFT names it base_layer inside LoRA-wrapped modules)
+    assert len(base_after) == len(base_before)
+    for name, tensor in base_after.items():
+        plain = name.replace("base_model.model.", "", 1).replace(".base_layer", "")
+        assert torch.equal(tensor, base_before[plain]), name
+    checkpoint = tmp_path / "checkpoints" / "iter-0001"
+    assert (checkpoint / "state.json").is_file() and (checkpoint / "optimizer.pt").is_file()
+    (tmp_path / "checkpoints" / ".tmp-iter-0002-deadbeef").mkdir()  # a write killed half-way
+
+    # a fresh process: new model, same folder -> continues at iteration 2 from the saved weights
+    model2, _ = load_model(str(tiny_model_path))
+    seen = []
+    resumed = GRPOTrainer(model2, tokenizer, _env(), config, tmp_path, reward_fn=_alternating_reward(),
+                          progress=seen.append)
+    assert resumed.resume() == 1
+    lora_loaded, _ = _split_state(resumed.model)
+    assert all(torch.equal(lora_loaded[k], lora_after[k]) for k in lora_after)
+    assert not (tmp_path / "checkpoints" / ".tmp-iter-0002-deadbeef").exists()
+    state = resumed.optimizer.state_dict()["state"]
+    assert state and all(int(s["step"]) == 1 for s in state.values())
+    result = resumed.train()
+    assert [m.iteration for m in seen] == [2]
+    assert [m.iteration for m in result.history] == [1, 2] and result.resumed_from == 1
+    assert (result.adapter_dir / "adapter_model.safetensors").is_file()
+    assert (tmp_path / "summary.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["iter-0001", "iter-0002"]
+
+
+# ---------------------------------------------------------------- robustness
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_model_path, tokenizer, tmp_path, monkeypatch):
+    model, _ = load_model(str(tiny_model_path))
+    trainer = GRPOTrainer(model, tokenizer, _env(hint_share=0.0), replace(TINY, iterations=3), tmp_path,
+                          reward_fn=_alternating_reward(), backend_factory=_scripted(tokenizer))
+    real_loss = grpo.clipped_surrogate_loss
+
+    def nan_in_iteration_2(*args, **kwargs):
+        loss = real_loss(*args, **kwargs)
+        return loss * float("nan") if trainer.iteration == 1 else loss
+
+    monkeypatch.setattr(grpo, "clipped_surrogate_loss", nan_in_iteration_2)
+    with pytest.raises(NonFiniteLossError) as caught:
+        trainer.train()
+    err = caught.value
+    assert err.iteration == 2 and err.task_id and "synthetic_confirm_before_writing/" in str(err)
+    assert "iteration 2" in str(err) and err.checkpoint == tmp_path / "checkpoints" / "iter-0001"
+    assert trainer.latest_checkpoint() == err.checkpoint
+    # nothing of the failed iteration reached the weights: they equal the checkpoint's
+    from safetensors.torch import load_file
+
+    import pickle
+
+    assert str(pickle.loads(pickle.dumps(err))) == str(err)
+    saved = load_file(str(err.checkpoint / "adapter" / "adapter_model.safetensors"))
+    current = {k.replace(".default", ""): v for k, v in trainer.model.state_dict().items() if "lora_" in k}
+    assert saved and all(torch.equal(saved[k], current[k]) for k in saved)
+
+
+def test_environment_and_reward_errors_name_the_iteration_and_task(tiny_model_path, tokenizer, tmp_path):
+    model, _ = load_model(str(tiny_model_path))
+    env = _env()
+    broken = env.sample_tasks(2)[1]
+    real_start = env.start
+
+    def start(task):
+        if task.task_id == broken.task_id:
+            raise KeyError("order table missing")
+        return real_start(task)
+
+    env.start = start
+    trainer = GRPOTrainer(model, tokenizer, env, TINY, tmp_path / "env", backend_factory=_scripted(tokenizer))
+    with pytest.raises(RolloutError, match="iteration 1, task " + broken.task_id) as caught:
+        trainer.train()
+    assert "order table missing" in str(caught.value) and caught.value.checkpoint is None
+
+    def bad_reward(rollout):
+        raise ZeroDivisionError("rubric weights sum to 0")
+
+    model, _ = load_model(str(tiny_model_path))
+    trainer = GRPOTrainer(model, tokenizer, _env(), TINY, tmp_path / "reward", reward_fn=bad_reward,
+                          backend_factory=_scripted(tokenizer))
+    with pytest.raises(RolloutError, match="reward function failed: ZeroDivisionError"):
+        trainer.train()
+
+
+def test_one_step_has_ratio_one_and_several_steps_use_the_rollout_logprobs(tiny_model_path, tokenizer, tmp_path):
+    model, _ = load_model(str(tiny_model_path))
+    one = GRPOTrainer(model, tokenizer, _env(hint_share=0.0), replace(TINY, iterations=1), tmp_path / "one",
+                      reward_fn=_alternating_reward(), backend_factory=_scripted(tokenizer))
+    _, samples = one.collect(1)
+    stats = one.optimize(samples, 1)
+    # old = current (detached): ratio exactly 1, so loss = -sum_i A_i n_i / N; the scripted turns all have
+    # the same length n and the advantages of a group sum to 0, so the loss is 0 while the gradient is not
+    assert not any(s.rollout_old for s in samples)
+    n = [sum(s.loss_mask[1:]) for s in samples]
+    expected = -sum(s.advantage * k for s, k in zip(samples, n)) / sum(n)
+    assert stats["loss"] == pytest.approx(expected, abs=1e-6) and stats["clip_fraction"] == 0.0
+    assert stats["grad_norm"] > 0 and stats["steps"] == 1 and stats["loss_tokens"] == sum(n)
+
+    model, _ = load_model(str(tiny_model_path))
+    two = GRPOTrainer(model, tokenizer, _env(hint_share=0.0), replace(TINY, iterations=1, steps_per_iteration=2),
+                      tmp_path / "two", reward_fn=_alternating_reward(), backend_factory=_scripted(tokenizer))
+    _, samples = two.collect(1)
+    stats = two.optimize(samples, 1)
+    # old = the scripted sampling log-prob -0.5, far above the random model's: ratios < 0.8 are clipped
+    # where A < 0, so about half of the tokens are
+    assert all(s.rollout_old for s in samples) and stats["steps"] == 2
+    assert 0.3 < stats["clip_fraction"] <= 0.5
+
+
+# ---------------------------------------------------------------- hints and masks
+
+
+def test_hinted_episodes_are_trained_with_the_plain_system_prompt(tiny_model_path, tokenizer, tmp_path):
+    model, _ = load_model(str(tiny_model_path))
+    env = _env(hint_share=1.0)
+    trainer = GRPOTrainer(model, tokenizer, env, replace(TINY, max_steps=2), tmp_path,
+                          backend_factory=_scripted(tokenizer))
+    rollouts, samples = trainer.collect(1)
+    assert len(rollouts) == len(samples) == 4
+    plain = env.system_prompt()
+    for rollout, sample in zip(rollouts, samples):
+        assert "Hint: " in tokenizer.decode(rollout.token_ids)
+        text = tokenizer.decode(sample.token_ids)
+        assert "Hint: " not in text and plain in text and sample.hinted and sample.rollout_old
+        opening = [{"role": "system", "content": plain}, rollout.messages[1]]
+        prefix = tokenizer.encode(render(tokenizer, opening, env.tool_schemas(), add_generation_prompt=True),
+                                  add_special_tokens=False)
+        assert sample.token_ids[: len(prefix)] == prefix
+        # everything after the first prompt is the sampled conversation, untouched (trimmed at the end)
+        assert sample.token_ids[len(prefix):] == rollout.token_ids[rollout.prompt_len:][: len(sample.token_ids) - len(prefix)]
+        # only generated tokens are in the loss; their old log-probs are the (hinted) sampling ones
+        generated = [t for t, m in zip(sample.token_ids, sample.loss_mask) if m]
+        assert tokenizer.decode(generated) == "".join(rollout.assistant_texts)
+        assert [lp for lp, m in zip(sample.old_logprobs, sample.loss_mask) if m] == [-0.5] * len(generated)
+        assert sample.loss_mask[-1] == 1  # trimmed after the last generated token
+    no_swap = GRPOTrainer(load_model(str(tiny_model_path))[0], tokenizer, env, replace(TINY, swap_hints=False),
+                          tmp_path / "b", backend_factory=_scripted(tokenizer))
+    _, kept = no_swap.collect(1)
+    assert all("Hint: " in tokenizer.decode(s.token_ids) and not s.rollout_old for s in kept)
+
+
+def test_config_round_trips_and_profiles_state_their_differences():
+    assert GRPOConfig.from_dict(TINY.to_dict()) == TINY
+    assert grpo.PAPER.learning_rate == 1e-5 and grpo.PAPER.iterations == 40 and grpo.PAPER.temperature == 1.0
+    demo = grpo.DEMO
+    assert (demo.learning_rate, demo.groups, demo.samples_per_group, demo.steps_per_iteration, demo.micro_batch_size) == (
+        1e-4, 4, 8, 1, 4)
+    assert demo.lora_r == 16 and demo.beta == 0.0 and demo.epsilon == 0.2
+    with pytest.raises(ValueError):
+        GRPOConfig(groups=0)

@@ -25,7 +25,13 @@ def build_definitions(settings: Settings | None = None) -> Definitions:
     assets = [a for a in everything if not _is_check(a)]
     checks = [a for a in everything if _is_check(a)]
     main_job = define_asset_job(MAIN_JOB, selection=AssetSelection.all(), description="The whole TRACE loop.")
-    return Definitions(assets=assets, asset_checks=checks, jobs=[main_job], resources=build_resources(settings))
+    from sensors import build_operate_definitions  # the landing sensor, nightly schedule, automation
+
+    operate = build_operate_definitions(settings)
+    return Definitions(
+        assets=assets, asset_checks=checks, jobs=[main_job, *operate["jobs"]], resources=build_resources(settings),
+        sensors=operate["sensors"], schedules=operate["schedules"],
+    )
 
 
 def build_resources(settings: Settings) -> dict:

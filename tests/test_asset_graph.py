@@ -15,8 +15,9 @@ EXPECTED = {
     "selected_capabilities": ["capability_dictionary", "capability_stats"],
     "capability_spec": ["capability_dictionary", "selected_capabilities"],
     "synthetic_env": ["base_agent", "capability_spec"],
+    "lora_adapter": ["base_agent", "synthetic_env"],
 }
-PARTITIONED = {"capability_spec", "synthetic_env"}
+PARTITIONED = {"capability_spec", "synthetic_env", "lora_adapter"}
 CHECKS = {("label_matrix", "label_completeness"), ("capability_stats", "stats_sanity"), ("selected_capabilities", "c_star_not_empty"),
           ("synthetic_env", "calibration_and_fidelity")}
 

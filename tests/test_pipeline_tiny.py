@@ -52,6 +52,7 @@ def test_everything_fresh_after_the_demo_runner(pipeline):
     names = instance.get_dynamic_partitions("capability")
     assert names, "the tiny pipeline selects at least one capability"
     assert {pk for (k, pk) in statuses if k == AssetKey("synthetic_env")} == set(names)
+    assert {pk for (k, pk) in statuses if k == AssetKey("lora_adapter")} == set(names)
     # a second run without changes recomputes nothing
     assert _materialize_stale(defs, instance) == []
 
@@ -66,6 +67,22 @@ def test_labels_are_complete_and_checks_ran(pipeline):
     check = instance.event_log_storage.get_latest_asset_check_execution_by_key(
         [AssetCheckKey(AssetKey("label_matrix"), "label_completeness")])
     assert check
+
+
+def test_adapters_are_registered_with_lineage(pipeline):
+    defs, instance, _ = pipeline
+    registry = defs.resources["mlflow"]
+    for name in instance.get_dynamic_partitions("capability"):
+        record = instance.fetch_materializations(
+            AssetRecordsFilter(asset_key=AssetKey("lora_adapter"), asset_partitions=[name]), limit=1).records[0]
+        md = record.asset_materialization.metadata
+        assert md["model_name"].value == f"trace-lora-{name}"
+        assert md["dagster_run_id"].value == record.run_id
+        assert md["envspec_hash"].value and md["c_star_data_version"].value not in ("", "None")
+        version, path = registry.resolve(name, "champion")
+        assert version == md["model_version"].value and (path / "adapter_config.json").exists()
+        tags = registry.version_tags(name, "champion")
+        assert tags["trace.envspec_hash"] == md["envspec_hash"].value
 
 
 def test_changing_thresholds_reselects_without_relabelling(pipeline):

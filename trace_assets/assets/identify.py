@@ -17,6 +17,7 @@ from dagster import (
     AssetExecutionContext,
     AssetKey,
     AssetsDefinition,
+    AutomationCondition,
     AssetCheckSpec,
     DataVersion,
     DynamicPartitionsDefinition,
@@ -36,6 +37,16 @@ from trace_assets.settings import Settings, stable_hash
 
 GROUP = "identify"
 capability_partitions = DynamicPartitionsDefinition(name="capability")
+
+# Per-capability assets re-materialize when they become missing (a new capability) or when one of
+# their inputs got a NEW data version, not on every upstream materialization: the firewall holds.
+per_capability_automation = (
+    (AutomationCondition.missing().newly_true() | AutomationCondition.any_deps_match(AutomationCondition.data_version_changed()))
+    .since_last_handled()
+    & ~AutomationCondition.any_deps_missing()
+    & ~AutomationCondition.any_deps_in_progress()
+    & ~AutomationCondition.in_progress()
+).with_label("new or inputs' data version changed")
 
 
 def analyst_identity(settings: Settings) -> dict[str, Any]:
@@ -247,7 +258,8 @@ def build_identify_assets(settings: Settings) -> list:
             description=None if names else "no capability cleared the thresholds: nothing will be trained",
         )
 
-    @asset(group_name=GROUP, partitions_def=capability_partitions, kinds={"json"})
+    @asset(group_name=GROUP, partitions_def=capability_partitions, kinds={"json"},
+           automation_condition=per_capability_automation)
     def capability_spec(context: AssetExecutionContext, selected_capabilities: dict, capability_dictionary: dict) -> Output[dict[str, Any]]:
         """One capability's spec (name, description, failure modes): the firewall of DESIGN.md.
 

@@ -17,7 +17,7 @@ from resources.llm import SynthesizerResource
 from resources.models import ModelResource
 from resources.store import TraceStore
 from trace_assets import paths
-from trace_assets.assets.identify import capability_partitions
+from trace_assets.assets.identify import capability_partitions, per_capability_automation
 from trace_assets.envs import get_environment
 from trace_assets.reporting import png_metadata, reward_histogram, to_markdown
 from trace_assets.settings import Settings, stable_hash
@@ -31,6 +31,7 @@ def build_synthesize_assets(settings: Settings) -> list:
 
     @asset(
         group_name=GROUP, partitions_def=capability_partitions, kinds={"json"},
+        automation_condition=per_capability_automation,
         code_version=stable_hash([syn.__dict__, settings.section_hash("rollout")]),
         check_specs=[AssetCheckSpec("calibration_and_fidelity", asset="synthetic_env", blocking=True,
                                     description="Fidelity to the target, gold-solvable, calibrated reward band.")],

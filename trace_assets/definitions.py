@@ -8,12 +8,14 @@ from __future__ import annotations
 from dagster import AssetSelection, Definitions, FilesystemIOManager, define_asset_job
 
 from resources.llm import AnalystResource, SynthesizerResource
+from resources.mlflow_registry import MlflowRegistry
 from resources.models import ModelResource
 from resources.store import TraceStore
 from trace_assets import paths
 from trace_assets.assets.foundation import build_foundation_assets
 from trace_assets.assets.identify import build_identify_assets
 from trace_assets.assets.synthesize import build_synthesize_assets
+from trace_assets.assets.train import build_train_assets
 from trace_assets.settings import Settings, load_settings
 
 MAIN_JOB = "trace_main"
@@ -21,7 +23,10 @@ MAIN_JOB = "trace_main"
 
 def build_definitions(settings: Settings | None = None) -> Definitions:
     settings = settings or load_settings()
-    everything = [*build_foundation_assets(settings), *build_identify_assets(settings), *build_synthesize_assets(settings)]
+    everything = [
+        *build_foundation_assets(settings), *build_identify_assets(settings),
+        *build_synthesize_assets(settings), *build_train_assets(settings),
+    ]
     assets = [a for a in everything if not _is_check(a)]
     checks = [a for a in everything if _is_check(a)]
     main_job = define_asset_job(MAIN_JOB, selection=AssetSelection.all(), description="The whole TRACE loop.")
@@ -47,6 +52,7 @@ def build_resources(settings: Settings) -> dict:
             kind=settings.synthesis.kind, base_url=settings.synthesis.base_url, model=settings.synthesis.model,
             max_retries=settings.synthesis.max_retries,
         ),
+        "mlflow": MlflowRegistry(),
         "io_manager": FilesystemIOManager(base_dir=str(paths.sub("dagster", "io"))),
     }
 

@@ -123,3 +123,22 @@ def test_changing_thresholds_reselects_without_relabelling(pipeline):
     # specs did not change, so every synthetic environment stays fresh: nothing is re-synthesized
     statuses = stale_items(defs2, instance)
     assert all(s == StaleStatus.FRESH for s in statuses.values()), {k: s for k, s in statuses.items() if s != StaleStatus.FRESH}
+
+
+def test_audit_prints_the_whole_chain(pipeline, capsys):
+    from trace_assets.audit import audit, render
+
+    defs, instance, _ = pipeline
+    c_star = instance.get_latest_materialization_event(AssetKey("selected_capabilities")).asset_materialization.metadata["c_star"].value
+    name = c_star[0]
+    report = audit(name, instance, defs.resources["mlflow"])
+    assert report["problems"] == [], report["problems"]
+    assert report["mlflow"]["model_name"] == f"trace-lora-{name}" and report["mlflow"]["run_id"]
+    assert report["mlflow"]["tags"]["trace.envspec_hash"] == report["environment"]["envspec_hash"]
+    assert report["selection"]["thresholds"]["rho"] is not None
+    assert report["selection"]["failed_trajectory_ids"]
+    assert all(report["dagster_runs"].values())
+    text = render(report)
+    assert "Dagster runs" in text and report["mlflow"]["run_id"] in text
+    missing = audit("not_a_capability", instance, defs.resources["mlflow"])
+    assert any("never materialized" in p for p in missing["problems"])

@@ -184,11 +184,37 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from trace_assets.definitions import MAIN_JOB, defs
 
+    from sensors import ensure_pools
+
     start = time.perf_counter()
     instance = DagsterInstance.get()
+    ensure_pools(instance)  # pool "train" = 1: two trainings never fight for the cores
     run_ids = run_stale(defs, instance, MAIN_JOB)
     print_summary(defs, instance, run_ids, time.perf_counter() - start)
     return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    import json
+
+    _instance_env()
+    from dagster import DagsterInstance
+
+    from resources.mlflow_registry import MlflowRegistry
+    from trace_assets.audit import audit, render
+    from trace_assets.identify.capabilities import CapabilityNameError, safe_capability_name
+
+    try:
+        name = safe_capability_name(args.capability)
+    except CapabilityNameError as exc:
+        console.print(f"[red]{exc}[/]")
+        return 2
+    report = audit(name, DagsterInstance.get(), MlflowRegistry())
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        console.print(render(report), highlight=False)
+    return 0 if not report["problems"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("import", help="validate and import JSONL/Parquet trajectory files")
     p.add_argument("files", nargs="+")
     p.set_defaults(func=cmd_import)
+    p = sub.add_parser("audit", help="print the lineage of one capability's adapter")
+    p.add_argument("capability")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_audit)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -177,10 +177,10 @@ def test_bf16_autocast_runs_and_keeps_fp32_logprobs(tiny):
 def test_demo_model_retail_prompts_cached_vs_plain():
     """fp32: prefix-cached KV loop == HF ``generate`` token for token on real ~1,150-token prompts.
 
-    bf16 autocast: measured on these 4 prompts x 48 greedy tokens, the completions agree with fp32
-    on their first tokens and then may drift at a near-tie; we assert a loose bound (the first 8
-    tokens of every prompt and >= 50% of all positions) so the test guards against a broken bf16
-    path, not against legitimate rounding drift.
+    bf16 (autocast prefill, fp32 decode): measured on these 4 prompts x 48 greedy tokens, 171/171
+    tokens identical to fp32, log-probs within 0.07 nats. Rounding may legitimately flip a near-tie
+    later on other prompts, so we assert a looser bound: the first 8 tokens of every prompt, >= 90%
+    of all positions, and log-probs within 0.25 on the tokens before the first disagreement.
     """
     from trace_assets.agent.model import ensure_demo_model, load_model
     from trace_assets.envs import get_environment
@@ -209,4 +209,6 @@ def test_demo_model_retail_prompts_cached_vs_plain():
         assert x.token_ids[:8] == y.token_ids[:8]
         total += max(len(x.token_ids), len(y.token_ids))
         same += sum(a == b for a, b in zip(x.token_ids, y.token_ids))
-    assert same / total >= 0.5, f"bf16/fp32 token agreement {same}/{total}"
+        k = next((i for i, (a, b) in enumerate(zip(x.token_ids, y.token_ids)) if a != b), len(x.token_ids))
+        assert x.logprobs[:k] == pytest.approx(y.logprobs[:k], abs=0.25)
+    assert same / total >= 0.9, f"bf16/fp32 token agreement {same}/{total}"

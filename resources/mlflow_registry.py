@@ -240,6 +240,21 @@ class MlflowRegistry(ConfigurableResource):
     def version_tags(self, capability: str, alias: str = "champion") -> dict[str, str]:
         return dict(self.client().get_model_version_by_alias(model_name(capability), alias).tags)
 
+    def log_report(self, markdown: str, pngs: Mapping[str, bytes], metrics: Mapping[str, float]) -> str:
+        """One MLflow run (``trace-report``) holding the evaluation report, its plots and metrics."""
+        client = self.client()
+        run = client.create_run(self.experiment_id(), run_name="trace-report", tags={"trace.kind": "report"})
+        run_id = run.info.run_id
+        for key, value in metrics.items():
+            client.log_metric(run_id, key, float(value))
+        client.log_text(run_id, markdown, "report.md")
+        from PIL import Image
+
+        for name, png in pngs.items():
+            client.log_image(run_id, Image.open(io.BytesIO(png)).convert("RGB"), artifact_file=f"{name}.png")
+        client.set_terminated(run_id, "FINISHED")
+        return run_id
+
     # ---- the whole thing ------------------------------------------------------------------
 
     def log_training(self, capability: str, *, adapter_dir: str | Path, params: Mapping[str, Any],

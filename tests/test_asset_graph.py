@@ -16,6 +16,9 @@ EXPECTED = {
     "capability_spec": ["capability_dictionary", "selected_capabilities"],
     "synthetic_env": ["base_agent", "capability_spec"],
     "lora_adapter": ["base_agent", "synthetic_env"],
+    "grpo_baseline": ["base_agent", "lora_adapter", "selected_capabilities", "synthetic_env", "task_splits"],
+    "router": ["base_agent", "lora_adapter", "selected_capabilities", "synthetic_env", "trajectory_splits"],
+    "router_eval": ["base_agent", "grpo_baseline", "lora_adapter", "router", "selected_capabilities", "task_splits"],
 }
 PARTITIONED = {"capability_spec", "synthetic_env", "lora_adapter"}
 CHECKS = {("label_matrix", "label_completeness"), ("capability_stats", "stats_sanity"), ("selected_capabilities", "c_star_not_empty"),

@@ -69,6 +69,22 @@ def test_labels_are_complete_and_checks_ran(pipeline):
     assert check
 
 
+def test_router_eval_end_to_end(pipeline):
+    defs, instance, _ = pipeline
+    md = instance.get_latest_materialization_event(AssetKey("router_eval")).asset_materialization.metadata
+    report = md["report"].value
+    names = instance.get_dynamic_partitions("capability")
+    for system in ("base", "trace_routed", "trace_soft", "oracle", "grpo_target", *names):
+        assert f"| {system} " in report, system
+    routers = md["routing"].value
+    assert "logit" in routers and "retrieval_minilm" in routers and "hybrid" in routers
+    spent = md["rollouts_spent"].value
+    baseline = instance.get_latest_materialization_event(AssetKey("grpo_baseline")).asset_materialization.metadata
+    assert baseline["budget_rollouts"].value == spent["trace_routed"] > 0
+    assert baseline["rollouts"].value >= baseline["budget_rollouts"].value
+    assert "success_by_system" in md and "success_vs_rollouts" in md and md["mlflow_run_id"].value
+
+
 def test_adapters_are_registered_with_lineage(pipeline):
     defs, instance, _ = pipeline
     registry = defs.resources["mlflow"]

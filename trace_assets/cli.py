@@ -90,10 +90,15 @@ def plan_wave(defs, statuses: dict) -> list[tuple[str | None, list]]:
             return sorted(keys)
         return sorted(k for k in keys if not (graph.get_ancestor_asset_keys(k) - {k}) & stale_keys)
 
-    unpartitioned = {
-        (k, pk): s for (k, pk), s in stale.items()
-        if pk is None and not (graph.get_ancestor_asset_keys(k) & stale_partitioned)
-    }
+    def waits(k) -> bool:
+        """An unpartitioned asset above partitioned ones waits until all its ancestors are fresh:
+        until they are, the set of partitions it would read is not even known."""
+        ancestors = graph.get_ancestor_asset_keys(k) - {k}
+        if any(graph.get(a).partitions_def is not None for a in ancestors):
+            return bool(ancestors & stale_keys)
+        return bool(ancestors & stale_partitioned)
+
+    unpartitioned = {(k, pk): s for (k, pk), s in stale.items() if pk is None and not waits(k)}
     if unpartitioned:
         return [(None, pick(unpartitioned))]
     runs = []

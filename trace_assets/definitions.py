@@ -15,6 +15,7 @@ from trace_assets import paths
 from trace_assets.assets.foundation import build_foundation_assets
 from trace_assets.assets.identify import build_identify_assets
 from trace_assets.assets.synthesize import build_synthesize_assets
+from trace_assets.assets.route import build_route_assets
 from trace_assets.assets.train import build_train_assets
 from trace_assets.settings import Settings, load_settings
 
@@ -25,7 +26,7 @@ def build_definitions(settings: Settings | None = None) -> Definitions:
     settings = settings or load_settings()
     everything = [
         *build_foundation_assets(settings), *build_identify_assets(settings),
-        *build_synthesize_assets(settings), *build_train_assets(settings),
+        *build_synthesize_assets(settings), *build_train_assets(settings), *build_route_assets(settings),
     ]
     assets = [a for a in everything if not _is_check(a)]
     checks = [a for a in everything if _is_check(a)]

@@ -131,6 +131,26 @@ class TrainSettings:
 
 
 @dataclass(frozen=True)
+class RouteSettings:
+    """Step 4: the router and the held-out evaluation.
+
+    ``kind``: ``logit`` (the paper's label-logit router), ``retrieval`` (nearest centroid / k-NN over
+    the first user prompts of each capability's synthetic tasks) or ``hybrid`` (retrieval shortlist,
+    logit choice). The default is retrieval: a 135M base cannot act as a zero-shot classifier (the
+    logit router picks one label for every task), retrieval works at every scale.
+    """
+
+    kind: str = "retrieval"
+    embedder: str = "minilm"  # "minilm" (all-MiniLM-L6-v2, offline wheel) or "hidden" (the base's states)
+    mode: str = "centroid"
+    k: int = 5
+    threshold: float = 0.0
+    index_prompts: int = 16
+    index_offset: int = 500_000  # synthetic seeds for the index: apart from training and evaluation
+    soft_top_p: float = 0.9
+
+
+@dataclass(frozen=True)
 class Settings:
     profile: str = "demo"
     base_model: str = "demo"  # "demo" | "tiny" | an HF model id | a local path
@@ -141,6 +161,7 @@ class Settings:
     selection: SelectionSettings = field(default_factory=SelectionSettings)
     synthesis: SynthesisSettings = field(default_factory=SynthesisSettings)
     train: TrainSettings = field(default_factory=TrainSettings)
+    route: RouteSettings = field(default_factory=RouteSettings)
 
     def selection_rule(self):
         """The ``SelectionRule`` for these settings, K and N defaulted by the analyst kind."""
@@ -170,6 +191,7 @@ TINY = Settings(
     # A random tiny model earns reward 0 everywhere: accept any band so the plumbing downstream runs.
     synthesis=SynthesisSettings(calibration_seeds=2, calibration_k=2, max_rounds=1, max_steps=3, band=(0.0, 1.0), min_informative=0.0),
     train=TrainSettings(profile="tiny", eval_tasks=2),
+    route=RouteSettings(index_prompts=3),
 )
 PROFILES = {"demo": Settings(), "tiny": TINY}
 

@@ -29,3 +29,22 @@ def make_splits(env: Environment, *, demo_per_family: int, train_per_family: int
             out[name].extend(env.make_task(family, s) for s in seeds[start : start + counts[name]])
             start += counts[name]
     return out
+
+
+class TaskPoolEnv:
+    """A target environment restricted to a fixed list of tasks, for GRPO on the target itself.
+
+    ``sample_tasks(n, offset)`` cycles through ``tasks`` from ``offset``; everything else is the
+    wrapped environment's.
+    """
+
+    def __init__(self, env: Environment, tasks: list[Task]) -> None:
+        if not tasks:
+            raise ValueError("TaskPoolEnv needs at least one task")
+        self.env, self.tasks, self.name = env, list(tasks), env.name
+
+    def sample_tasks(self, n: int, *, offset: int = 0) -> list[Task]:
+        return [self.tasks[(offset + i) % len(self.tasks)] for i in range(n)]
+
+    def __getattr__(self, attr: str):  # tool_schemas, system_prompt, families, make_task, start
+        return getattr(self.env, attr)

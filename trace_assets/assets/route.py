@@ -1,0 +1,200 @@
+"""Step 4 assets: grpo_baseline (equal-rollout GRPO on the target), router, router_eval (the report).
+
+* ``grpo_baseline`` trains one LoRA with the same GRPO code on the target's train tasks, with a
+  rollout budget equal to the sum of every current TRACE adapter's rollouts, calibration included
+  (the paper's equal-rollout comparison); the budget is recorded.
+* ``router`` reads every adapter partition (AllPartitionMapping), keeps the current C*, and builds
+  the configured router (``logit``: the paper's label-logit router; ``retrieval``; ``hybrid``).
+  Retrieval embeddings of the indexed prompts are computed once and stored with the asset; they
+  are recomputed only when the indexed prompts (the synthetic environments) change.
+* ``router_eval`` measures on the held-out test split only, greedy, at most ``rollout.max_steps``
+  steps: base, TRACE routed, TRACE soft composition, each single adapter on every task, oracle
+  routing, and the GRPO-on-target baseline; plus routing accuracy of every router against the
+  oracle's choice. Routed and oracle rows reuse the single-adapter rollouts (greedy decoding makes
+  them identical), so they cost no extra rollouts.
+"""
+
+import json
+import math
+from dataclasses import replace
+from typing import Any
+
+from dagster import AllPartitionMapping, AssetExecutionContext, AssetIn, DataVersion, Failure, MetadataValue, Output, asset
+
+from resources.mlflow_registry import MlflowRegistry
+from resources.models import ModelResource
+from resources.store import TraceStore
+from trace_assets import paths
+from trace_assets.assets.foundation import folder_checksum, tasks_of
+from trace_assets.envs import get_environment
+from trace_assets.reporting import png_metadata, to_markdown
+from trace_assets.settings import Settings, stable_hash
+
+GROUP = "route"
+ALL = AllPartitionMapping()
+
+
+def current_adapters(selected: dict, adapters: dict[str, dict]) -> dict[str, dict]:
+    """The adapters of capabilities still in C* (a departed one keeps its history, not its route)."""
+    return {name: adapters[name] for name in selected["names"] if name in adapters}
+
+
+def build_route_assets(settings: Settings) -> list:
+    route_cfg, roll_cfg = settings.route, settings.rollout
+    grpo_config = settings.train.config()
+
+    @asset(
+        group_name=GROUP, pool="train", kinds={"pytorch", "mlflow"},
+        code_version=stable_hash(grpo_config.to_dict()),
+        ins={"lora_adapter": AssetIn(partition_mapping=ALL), "synthetic_env": AssetIn(partition_mapping=ALL)},
+    )
+    def grpo_baseline(
+        context: AssetExecutionContext, models: ModelResource, mlflow: MlflowRegistry,
+        task_splits: dict, base_agent: dict, selected_capabilities: dict, lora_adapter: dict, synthetic_env: dict,
+    ) -> Output[dict[str, Any]]:
+        """One LoRA trained by the same GRPO directly on the target's train tasks, at equal rollouts."""
+        from trace_assets.envs.splits import TaskPoolEnv
+        from trace_assets.train.grpo import GRPOError, GRPOTrainer
+
+        adapters = current_adapters(selected_capabilities, lora_adapter)
+        budget = sum(a["rollouts"] + a.get("calibration_rollouts", 0) for a in adapters.values())
+        per_iteration = grpo_config.groups * grpo_config.samples_per_group
+        iterations = max(1, math.ceil(budget / per_iteration)) if budget else 0
+        if not iterations:
+            raise Failure("grpo_baseline: no TRACE adapter in the current C*, so the equal-rollout budget is 0")
+        config = replace(grpo_config, iterations=iterations)
+        env = TaskPoolEnv(get_environment(settings.tasks.env), tasks_of(task_splits, "train") + tasks_of(task_splits, "demo"))
+        key = stable_hash([base_agent.get("checksum") or base_agent["path"], config.to_dict(), [t.task_id for t in env.tasks]])
+        out_dir = paths.sub("adapters", "_grpo_target", key)
+        manifest = out_dir / "trace_adapter.json"
+        if manifest.exists():
+            value = json.loads(manifest.read_text())
+        else:
+            model, tokenizer = models.load(base_agent["path"])
+            context.log.info(f"GRPO on the target: budget {budget} rollouts = {iterations} iterations x {per_iteration}")
+            trainer = GRPOTrainer(model, tokenizer, env, config, out_dir, progress=lambda m: context.log.info(
+                f"[grpo_target] iteration {m.iteration}: reward {m.mean_reward:.3f} success {m.success_rate:.2f}"))
+            try:
+                result = trainer.train()
+            except GRPOError as exc:
+                raise Failure(f"grpo_baseline: {exc}. Re-materializing resumes from the last checkpoint.") from exc
+            registered = mlflow.log_training(
+                "grpo_target", adapter_dir=result.adapter_dir, history=result.history,
+                params={**config.to_dict(), "budget_rollouts": budget},
+                lineage={"capability": "grpo_target", "base_model": models.base_model, "dagster_run_id": context.run_id},
+            )
+            value = {
+                "adapter_dir": str(result.adapter_dir), "adapter_checksum": folder_checksum(result.adapter_dir),
+                "budget_rollouts": budget, "rollouts": len(result.history) * per_iteration,
+                "iterations": len(result.history), "mlflow_run_id": registered.run_id,
+                "model_version": registered.version, "trace_adapters": sorted(adapters),
+            }
+            tmp = manifest.with_suffix(".tmp")
+            tmp.write_text(json.dumps(value, indent=2))
+            tmp.replace(manifest)
+        return Output(value, data_version=DataVersion(value["adapter_checksum"][:16]), metadata={
+            "budget_rollouts": value["budget_rollouts"], "rollouts": value["rollouts"],
+            "iterations": value["iterations"], "mlflow_run_id": value["mlflow_run_id"],
+            "model_version": value["model_version"], "trace_adapters": MetadataValue.json(value["trace_adapters"]),
+        })
+
+    @asset(
+        group_name=GROUP, kinds={"python"}, code_version=stable_hash(route_cfg.__dict__),
+        ins={"lora_adapter": AssetIn(partition_mapping=ALL), "synthetic_env": AssetIn(partition_mapping=ALL)},
+    )
+    def router(
+        context: AssetExecutionContext, models: ModelResource, store: TraceStore,
+        selected_capabilities: dict, lora_adapter: dict, synthetic_env: dict, trajectory_splits: dict, base_agent: dict,
+    ) -> Output[dict[str, Any]]:
+        """The router over the current C*: candidates, their adapters, and the retrieval index cache."""
+        from trace_assets.envs.retail.expert import demonstrate
+        from trace_assets.route.router import example_text, first_user_prompt
+        from trace_assets.synthesize import SyntheticEnv
+
+        adapters = current_adapters(selected_capabilities, lora_adapter)
+        target = get_environment(settings.tasks.env)
+        candidates, index = [], {}
+        for name in adapters:
+            env = SyntheticEnv(json.loads(open(synthetic_env[name]["spec_path"]).read()), target)
+            tasks = env.sample_tasks(route_cfg.index_prompts, offset=route_cfg.index_offset)
+            index[name] = [first_user_prompt(env, t) for t in tasks]
+            messages, result = demonstrate(env, tasks[0])  # one successful trajectory of its environment
+            description = next(c["description"] for c in selected_capabilities["capabilities"] if c["name"] == name)
+            candidates.append({"name": name, "description": description, "example": example_text(messages)})
+        wanted = set(trajectory_splits["d_plus"])
+        base_prompts = [t["messages"][1]["content"] for t in store.trajectories(split="train", policy="base")
+                        if t["trajectory_id"] in wanted][: route_cfg.index_prompts * 2]
+        index_key = stable_hash([route_cfg.embedder, index, base_prompts])
+        state = None
+        if route_cfg.kind in ("retrieval", "hybrid") and adapters:
+            from trace_assets.route.retrieval import RetrievalRouter
+
+            cache = paths.sub("router") / f"{index_key}.json"
+            if cache.exists():
+                state = json.loads(cache.read_text())
+                context.log.info("retrieval index embeddings reused (indexed prompts unchanged)")
+            else:
+                model, tokenizer = models.load(base_agent["path"]) if route_cfg.embedder == "hidden" else (None, None)
+                embedder = make_embedder(route_cfg.embedder, model, tokenizer)
+                full_index = {**index, None: base_prompts}
+                state = _jsonable_state(RetrievalRouter(embedder, full_index, mode=route_cfg.mode, k=route_cfg.k,
+                                                        threshold=route_cfg.threshold).state())
+                cache.write_text(json.dumps(state))
+        value = {
+            "kind": route_cfg.kind, "candidates": candidates, "index_key": index_key,
+            "adapters": {n: {"adapter_dir": a["adapter_dir"], "model_version": a["model_version"]} for n, a in adapters.items()},
+            "retrieval_state_path": str(paths.sub("router") / f"{index_key}.json") if state else None,
+        }
+        return Output(value, data_version=DataVersion(stable_hash([value["adapters"], index_key, route_cfg.__dict__])), metadata={
+            "kind": route_cfg.kind, "embedder": route_cfg.embedder, "candidates": MetadataValue.json([c["name"] for c in candidates]),
+            "index_key": index_key, "adapters": MetadataValue.json(value["adapters"]),
+        })
+
+    @asset(group_name=GROUP, kinds={"mlflow", "python"}, code_version=stable_hash([route_cfg.__dict__, roll_cfg.__dict__]),
+           ins={"lora_adapter": AssetIn(partition_mapping=ALL)})
+    def router_eval(
+        context: AssetExecutionContext, models: ModelResource, store: TraceStore, mlflow: MlflowRegistry,
+        task_splits: dict, base_agent: dict, router: dict, grpo_baseline: dict, lora_adapter: dict,
+        selected_capabilities: dict,
+    ) -> Output[dict[str, Any]]:
+        """Held-out test evaluation of every system on the same tasks, and the results report."""
+        from trace_assets.route.evaluation import evaluate_systems
+
+        report = evaluate_systems(
+            settings, models, store, task_splits=task_splits, base_agent=base_agent, router=router,
+            grpo_baseline=grpo_baseline, adapters=current_adapters(selected_capabilities, lora_adapter),
+            log=context.log.info,
+        )
+        run_id = mlflow.log_report(report["markdown"], report["pngs"], report["metrics"])
+        metadata: dict[str, Any] = {
+            "report": MetadataValue.md(report["markdown"]), "mlflow_run_id": run_id,
+            "systems": MetadataValue.md(to_markdown(report["systems"])),
+            "routing": MetadataValue.md(to_markdown(report["routing"])),
+            "confusion": MetadataValue.md(to_markdown(report["confusion"])),
+            "attribution": MetadataValue.json(report["attribution"]),
+            "rollouts_spent": MetadataValue.json(report["rollouts_spent"]),
+        }
+        for name, png in report["pngs"].items():
+            metadata.update(png_metadata(png, name))
+        (paths.sub("reports") / "latest_report.md").write_text(report["markdown"])
+        value = {k: v for k, v in report.items() if k not in ("pngs", "systems", "routing", "confusion")}
+        value["systems"] = report["systems"].to_dicts()
+        return Output(value, data_version=DataVersion(stable_hash(value["metrics"])), metadata=metadata)
+
+    return [grpo_baseline, router, router_eval]
+
+
+def make_embedder(kind: str, model: Any, tokenizer: Any):
+    from trace_assets.route.retrieval import HiddenStateEmbedder, SentenceEmbedder
+
+    if kind == "minilm":
+        return SentenceEmbedder()
+    if kind == "hidden":
+        return HiddenStateEmbedder(model, tokenizer)
+    raise ValueError(f"route.embedder {kind!r} must be 'minilm' or 'hidden'")
+
+
+def _jsonable_state(state: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
+
+    return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in state.items()}

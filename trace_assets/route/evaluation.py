@@ -1,0 +1,182 @@
+"""Held-out evaluation of every system on the same test tasks, and the results report.
+
+Contract of :func:`evaluate_systems`: greedy decoding on the ``test`` split only (never used by
+Step 1), at most ``settings.rollout.max_steps`` steps. Systems: ``base`` (the base agent's test
+trajectories already stored by ``base_trajectories``, same greedy config), every single adapter on
+every task, ``trace_routed`` (the configured router's argmax choice), ``trace_soft`` (top-p
+composition), ``oracle`` (best adapter per task in hindsight, an upper bound) and ``grpo_target``
+(the equal-rollout baseline). Routed, oracle and routing-accuracy rows reuse the single-adapter
+rollouts: greedy decoding makes a routed episode identical to the same adapter's episode, so only
+soft compositions that really mix adapters cost new rollouts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from trace_assets.assets.foundation import tasks_of
+from trace_assets.envs import get_environment
+from trace_assets.reporting import to_markdown
+
+BASELINE = "grpo_target"
+
+
+def _rollout_config(settings):
+    from trace_assets.agent.rollout import RolloutConfig
+
+    r = settings.rollout
+    return RolloutConfig(max_steps=r.max_steps, max_new_tokens=r.max_new_tokens,
+                         max_context_tokens=r.max_context_tokens, temperature=0.0, seed=r.seed)
+
+
+def _routers(settings, kind_filter, model, tokenizer, router_value, candidates, first_prompts, log):
+    """Decisions of every router we can build here: {router name: [Decision]}."""
+    from trace_assets.route.retrieval import HybridRouter, RetrievalRouter
+    from trace_assets.route.router import LogitRouter, RouterCandidate
+    from trace_assets.assets.route import make_embedder
+
+    cands = [RouterCandidate(c["name"], c["description"], c["example"]) for c in candidates]
+    out: dict[str, list] = {}
+    if not cands:
+        return out
+    out["logit"] = LogitRouter(model, tokenizer, cands).route(first_prompts)
+    state = json.loads(Path(router_value["retrieval_state_path"]).read_text()) if router_value.get("retrieval_state_path") else None
+    index = None
+    if state is not None:
+        index = {(None if k == "__base__" else k): v for k, v in state["index"].items()}
+    for embedder_name in ("minilm", "hidden"):
+        try:
+            embedder = make_embedder(embedder_name, model, tokenizer)
+        except Exception as exc:  # an embedder that cannot load here is reported, not fatal
+            log(f"router {embedder_name}: unavailable ({exc})")
+            continue
+        if index is None:
+            continue
+        r = settings.route
+        if state is not None and state["embedder_id"] == embedder.id:
+            retrieval = RetrievalRouter.from_state(state, embedder, index=index)
+        else:
+            retrieval = RetrievalRouter(embedder, index, mode=r.mode, k=r.k, threshold=r.threshold)
+        out[f"retrieval_{embedder_name}"] = retrieval.route(first_prompts)
+        if embedder_name == settings.route.embedder:
+            out["hybrid"] = HybridRouter.from_candidates(retrieval, model, tokenizer, cands).route(first_prompts)
+    return out
+
+
+def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: dict, router: dict,
+                     grpo_baseline: dict, adapters: dict[str, dict], log: Callable[[str], None]) -> dict[str, Any]:
+    from trace_assets.agent.rollout import run_rollouts
+    from trace_assets.route.compose import AdapterBank, plan_groups
+    from trace_assets.route.report import (
+        attribution, confusion_matrix, oracle_choice, oracle_rewards, plot_success_by_system,
+        plot_success_vs_rollouts, routed_rewards, routing_accuracy, success_table,
+    )
+    from trace_assets.route.router import first_user_prompt
+
+    env = get_environment(settings.tasks.env)
+    tasks = tasks_of(task_splits, "test")
+    ids = [t.task_id for t in tasks]
+    families = [t.family for t in tasks]
+    config = _rollout_config(settings)
+    stored = {r["task_id"]: r for r in store.trajectories(split="test", policy="base")}
+    missing = [t for t in tasks if t.task_id not in stored]
+
+    model, tokenizer = models.load(base_agent["path"])
+    if missing:  # e.g. a test split extended since base_trajectories ran
+        log(f"running the base on {len(missing)} test tasks without stored trajectories")
+        for rollout in run_rollouts(env, missing, models.backend(model, tokenizer), tokenizer, config):
+            stored[rollout.task.task_id] = {"reward": rollout.result.reward, "success": rollout.result.success}
+    per_system: dict[str | None, list[float]] = {None: [float(stored[i]["reward"]) for i in ids]}
+    success: dict[str | None, list[bool]] = {None: [bool(stored[i]["success"]) for i in ids]}
+
+    bank_paths = {name: a["adapter_dir"] for name, a in adapters.items()}
+    bank_paths[BASELINE] = grpo_baseline["adapter_dir"]
+    bank = AdapterBank(model, bank_paths)
+    eval_rollouts = {"base": 0}
+    for name in bank_paths:
+        with bank.use(name) as active:
+            log(f"evaluating {name} on {len(tasks)} test tasks")
+            rollouts = run_rollouts(env, tasks, models.backend(active, tokenizer), tokenizer, config)
+        per_system[name] = [r.result.reward for r in rollouts]
+        success[name] = [r.result.success for r in rollouts]
+        eval_rollouts[name] = len(rollouts)
+    singles = {k: v for k, v in per_system.items() if k != BASELINE}
+
+    first_prompts = [first_user_prompt(env, t) for t in tasks]
+    with bank.use(None) as base_model:
+        decisions = _routers(settings, settings.route.kind, base_model, tokenizer, router, router["candidates"], first_prompts, log)
+    chosen = settings.route.kind if settings.route.kind != "retrieval" else f"retrieval_{settings.route.embedder}"
+    main_decisions = decisions.get(chosen) or decisions.get("logit") or []
+
+    target = oracle_choice(singles)
+    systems: dict[str | None, list[float]] = {None: per_system[None]}
+    if main_decisions:
+        systems["trace_routed"] = routed_rewards(main_decisions, singles)
+        soft = list(systems["trace_routed"])
+        for group in plan_groups(main_decisions, soft_top_p=settings.route.soft_top_p):
+            if not group.weights:
+                for i in group.indices:
+                    soft[i] = singles[group.adapter][i] if group.adapter else per_system[None][i]
+                continue
+            with bank.composed(group.weights) as mixed:
+                rollouts = run_rollouts(env, [tasks[i] for i in group.indices], models.backend(mixed, tokenizer), tokenizer, config)
+            eval_rollouts["trace_soft"] = eval_rollouts.get("trace_soft", 0) + len(rollouts)
+            for i, rollout in zip(group.indices, rollouts):
+                soft[i] = rollout.result.reward
+        systems["trace_soft"] = soft
+    for name in adapters:
+        systems[name] = per_system[name]
+    systems["oracle"] = oracle_rewards(singles)
+    systems[BASELINE] = per_system[BASELINE]
+
+    trace_spent = sum(a["rollouts"] + a.get("calibration_rollouts", 0) for a in adapters.values())
+    spent = {"base": 0, "trace_routed": trace_spent, "trace_soft": trace_spent, "oracle": trace_spent,
+             BASELINE: grpo_baseline["rollouts"], **{n: a["rollouts"] + a.get("calibration_rollouts", 0) for n, a in adapters.items()}}
+    table = success_table(systems, rollouts_spent=spent)
+    by_family = pl.DataFrame([
+        {"system": "base" if s is None else s, "family": f, "reward": r, "success": r >= 1.0}
+        for s, rewards in systems.items() for f, r in zip(families, rewards)
+    ]).group_by("system", "family").agg(pl.col("success").mean().alias("success_rate"), pl.col("reward").mean().alias("mean_reward"))
+    by_family = by_family.pivot(on="family", index="system", values="success_rate").sort("system")
+
+    routing_rows = []
+    for name, ds in decisions.items():
+        rewards = routed_rewards(ds, singles)
+        routing_rows.append({"router": name, "accuracy_vs_oracle": routing_accuracy(ds, target),
+                             "success_rate": sum(r >= 1.0 for r in rewards) / len(rewards),
+                             "mean_reward": sum(rewards) / len(rewards)})
+    routing = pl.DataFrame(routing_rows) if routing_rows else pl.DataFrame({"router": []})
+    confusion = confusion_matrix(main_decisions, families) if main_decisions else pl.DataFrame()
+    attributed = attribution(per_system[None], {n: per_system[n] for n in adapters}, task_ids=ids)
+
+    pngs = {"success_by_system": plot_success_by_system(table)}
+    trace_success = table.filter(pl.col("system") == "trace_routed")["success_rate"].to_list()
+    base_success = table.filter(pl.col("system") == "base")["success_rate"].item()
+    baseline_success = table.filter(pl.col("system") == BASELINE)["success_rate"].item()
+    curves = {"TRACE (routed)": [(0, base_success), (trace_spent, trace_success[0] if trace_success else base_success)],
+              "GRPO on target": [(0, base_success), (grpo_baseline["rollouts"], baseline_success)]}
+    pngs["success_vs_rollouts"] = plot_success_vs_rollouts(curves)
+
+    metrics = {f"success_{r['system']}": r["success_rate"] for r in table.to_dicts()}
+    metrics.update({f"reward_{r['system']}": r["mean_reward"] for r in table.to_dicts()})
+    metrics.update({f"routing_accuracy_{r['router']}": r["accuracy_vs_oracle"] for r in routing_rows})
+    markdown = "\n\n".join([
+        f"## TRACE results on the held-out test split ({len(tasks)} tasks, greedy, ≤{config.max_steps} steps)",
+        to_markdown(table),
+        "### Success rate by task family", to_markdown(by_family),
+        f"### Routing (target = the oracle's choice; configured router: `{chosen}`)", to_markdown(routing) if routing_rows else "_no routers_",
+        "### Routing confusion (chosen label × task family)", to_markdown(confusion) if main_decisions else "_none_",
+        "### Attribution (test tasks each adapter fixed / broke against the base)",
+        "\n".join(f"- **{n}**: fixed {len(a['fixed'])} {a['fixed'][:5]}, broke {len(a['broke'])} {a['broke'][:5]}" for n, a in attributed.items()) or "_none_",
+        f"### Rollouts spent\nTRACE adapters (GRPO + calibration): {trace_spent}; GRPO on target: {grpo_baseline['rollouts']} "
+        f"(budget {grpo_baseline.get('budget_rollouts')}); evaluation rollouts: {json.dumps(eval_rollouts)}",
+    ])
+    return {"systems": table, "by_family": by_family.to_dicts(), "routing": routing, "confusion": confusion,
+            "attribution": attributed, "rollouts_spent": {**spent, "evaluation": eval_rollouts}, "metrics": metrics,
+            "markdown": markdown, "pngs": pngs, "task_ids": ids,
+            "decisions": {k: [d.label for d in v] for k, v in decisions.items()}, "oracle_target": [t or "base" for t in target]}

@@ -49,6 +49,7 @@ class WarmStartSettings:
     lora_r: int = 16
     lora_alpha: int = 32
     batch_size: int = 8
+    micro_batch_size: int = 4
     confirm_rate: float = 1.0  # share of demos whose expert asks for confirmation before writes
     max_length: int = 3072  # demos run ~1.8k tokens (1.1k of them system + tools); never truncate
 

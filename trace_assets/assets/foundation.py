@@ -51,6 +51,8 @@ def folder_checksum(folder: Path) -> str:
 
 def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
     task_cfg, warm_cfg, roll_cfg = settings.tasks, settings.warmstart, settings.rollout
+    # What shapes the warm-started weights; micro-batching only bounds memory.
+    warm_identity = {k: v for k, v in warm_cfg.__dict__.items() if k != "micro_batch_size"}
 
     @asset(group_name=GROUP, code_version=settings.section_hash("tasks"), kinds={"python"})
     def task_splits(context: AssetExecutionContext) -> Output[dict[str, list[dict[str, Any]]]]:
@@ -84,7 +86,7 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
 
     @asset(
         group_name=GROUP,
-        code_version=stable_hash([settings.base_model, settings.section_hash("warmstart")]),
+        code_version=stable_hash([settings.base_model, stable_hash(warm_identity)]),
         kinds={"pytorch"},
     )
     def base_agent(context: AssetExecutionContext, models: ModelResource, task_splits: dict) -> Output[dict[str, Any]]:
@@ -104,7 +106,7 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
                 metadata={"path": path, "warmstart": "disabled: the base model is used as is"},
             )
         demo_tasks = tasks_of(task_splits, "demo")
-        key = stable_hash([source, warm_cfg.__dict__, [t.task_id for t in demo_tasks]])
+        key = stable_hash([source, warm_identity, [t.task_id for t in demo_tasks]])
         folder = paths.models_dir() / "base_agent" / key
         manifest = folder / "trace_manifest.json"
         if manifest.exists() and json.loads(manifest.read_text())["checksum"] == folder_checksum(folder):
@@ -123,6 +125,7 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
             report = train_warmstart(
                 models.resolve(source), env, demo_tasks, tmp, epochs=warm_cfg.epochs, lr=warm_cfg.lr,
                 lora_r=warm_cfg.lora_r, lora_alpha=warm_cfg.lora_alpha, batch_size=warm_cfg.batch_size,
+                micro_batch_size=warm_cfg.micro_batch_size,
                 confirm_rate=warm_cfg.confirm_rate, max_length=warm_cfg.max_length, seed=task_cfg.seed,
                 progress=progress,
             )

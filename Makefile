@@ -39,8 +39,14 @@ test: models
 ui: setup
 	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
+mlflow: setup
+	mkdir -p "$(TRACE_DATA_DIR)/mlflow/artifacts"
+	$(BIN)/mlflow ui --backend-store-uri "sqlite:///$(TRACE_DATA_DIR)/mlflow/mlflow.db" \
+		--default-artifact-root "$(TRACE_DATA_DIR)/mlflow/artifacts" --host 127.0.0.1 --port 5000
+
 bench: models
-	$(BIN)/python benchmarks/rollout_throughput.py
+	$(BIN)/python benchmarks/rollout_throughput.py --model demo --episodes 8
+	$(BIN)/python benchmarks/label_stats.py
 
 clean-data:
 	rm -rf "$(TRACE_DATA_DIR)"

@@ -29,6 +29,7 @@ def test_fast_path_is_idempotent_and_quick(tiny_model_path):
 
 def test_checksum_mismatch_rebuilds(tmp_path, monkeypatch, tiny_model_path):
     monkeypatch.setenv("TRACE_DATA_DIR", str(tmp_path))
+    monkeypatch.delenv("TRACE_MODELS_DIR", raising=False)  # this test is about the cache itself
     # Reuse the cached demo tokenizer so the rebuild stays fast.
     monkeypatch.setattr(M, "_demo_tokenizer", lambda: M.load_tokenizer(str(tiny_model_path)))
     first = M.ensure_tiny_model()
@@ -54,6 +55,7 @@ def test_checksum_mismatch_rebuilds(tmp_path, monkeypatch, tiny_model_path):
 
 def test_failed_build_leaves_no_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("TRACE_DATA_DIR", str(tmp_path))
+    monkeypatch.delenv("TRACE_MODELS_DIR", raising=False)  # this test is about the cache itself
 
     def broken(tmp):
         (tmp / "config.json").write_text("{}")

@@ -158,3 +158,22 @@ def test_audit_prints_the_whole_chain(pipeline, capsys):
     assert "Dagster runs" in text and report["mlflow"]["run_id"] in text
     missing = audit("not_a_capability", instance, defs.resources["mlflow"])
     assert any("never materialized" in p for p in missing["problems"])
+
+
+def test_nightly_reidentification_labels_only_new_trajectories(pipeline):
+    """10% new trajectories: the reidentify job sends only those to the analyst."""
+    defs, instance, _ = pipeline
+    store = defs.resources["store"]
+    train = store.trajectories(split="train", policy="base")
+    n_new = max(1, len(train) // 10)
+    new = [{**t, "trajectory_id": f"landed-{i}", "source": "landing", "created_at": t["created_at"]} for i, t in enumerate(train[:n_new])]
+    assert store.insert_trajectories(new, batch_name="nightly_test") == n_new
+    result = defs.resolve_job_def("reidentify").execute_in_process(instance=instance)
+    assert result.success
+    md = instance.get_latest_materialization_event(AssetKey("label_matrix")).asset_materialization.metadata
+    runs = TINY.analyst.n_runs
+    assert md["pairs_sent"].value == n_new * runs
+    assert md["analyst_calls"].value == n_new * runs  # a full relabel would be (len(train) + n_new) * runs
+    assert md["labels"].value == md["expected_labels"].value
+    print(f"nightly analyst calls: {md['analyst_calls'].value} for {n_new} new of {len(train) + n_new} trajectories "
+          f"(full relabel: {(len(train) + n_new) * runs})")

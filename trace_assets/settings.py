@@ -30,7 +30,7 @@ class TaskSettings:
     """How ``task_splits`` draws tasks from the target environment."""
 
     env: str = "retail"
-    demo_per_family: int = 12  # train tasks whose scripted demos warm-start the demo agent
+    demo_per_family: int = 8  # train tasks whose scripted demos warm-start the demo agent
     train_per_family: int = 12  # train tasks the base agent is rolled out on (Step 1's data)
     test_per_family: int = 6  # held-out tasks: measuring only, never used to identify
     seed: int = 0

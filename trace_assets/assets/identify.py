@@ -15,8 +15,6 @@ from dagster import (
     AssetCheckResult,
     AssetCheckSeverity,
     AssetExecutionContext,
-    AssetKey,
-    AssetsDefinition,
     AutomationCondition,
     AssetCheckSpec,
     DataVersion,

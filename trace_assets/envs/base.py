@@ -29,6 +29,15 @@ Message = dict[str, Any]
 """One OpenAI-format chat message: ``{"role": ..., "content": ..., "tool_calls": [...]}``."""
 
 
+def jsonable(value: Any) -> Any:
+    """``value`` as plain JSON data (a deep copy), or its ``repr`` when it is not serialisable:
+    what agents pass as tool arguments is recorded, never trusted."""
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 @dataclass(frozen=True)
 class ToolCall:
     """A parsed tool call: a tool name and its JSON arguments."""

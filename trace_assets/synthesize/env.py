@@ -27,12 +27,11 @@ Contract (base.Environment / base.Episode, exactly):
 from __future__ import annotations
 
 import copy
-import json
 import math
 import random
 from typing import Any
 
-from trace_assets.envs.base import Environment, EpisodeResult, Message, Task
+from trace_assets.envs.base import Environment, EpisodeResult, Message, Task, jsonable
 from trace_assets.synthesize.rubric import CallRecord, Trace, evaluate, text_slots
 from trace_assets.synthesize.spec import (
     difficulty_of,
@@ -156,7 +155,7 @@ class SyntheticEpisode:
             observation = f"Error: unknown tool '{name}'"  # the same words the target uses
         else:
             observation = self.target_episode.call_tool(name, arguments)
-        self.calls.append(CallRecord(name if isinstance(name, str) else str(name), _jsonable(arguments),
+        self.calls.append(CallRecord(name if isinstance(name, str) else str(name), jsonable(arguments),
                                      not observation.startswith("Error:"), observation))
         return observation
 
@@ -200,13 +199,6 @@ class SyntheticEpisode:
         })
         threshold = float(self.env.spec["rubric"].get("success_threshold", 1.0))
         return EpisodeResult(reward=score.reward, success=score.reward >= threshold - 1e-9, info=info)
-
-
-def _jsonable(value: Any) -> Any:
-    try:
-        return json.loads(json.dumps(value))
-    except (TypeError, ValueError):
-        return repr(value)
 
 
 class SyntheticEnv:

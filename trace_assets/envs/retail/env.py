@@ -17,7 +17,7 @@ import json
 from importlib import resources
 from typing import Any
 
-from ..base import EpisodeResult, Message, Task
+from ..base import EpisodeResult, Message, Task, jsonable
 from .db import generate_db
 from .tasks import FAMILIES, make_task
 from .tools import TOOL_SCHEMAS, WRITE_TOOLS, Session, run_tool
@@ -55,7 +55,7 @@ class RetailEpisode:
 
     def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
         outcome = run_tool(self.session, name, arguments)
-        self.actions.append({"name": name, "arguments": _jsonable(arguments), "ok": outcome.ok})
+        self.actions.append({"name": name, "arguments": jsonable(arguments), "ok": outcome.ok})
         if not outcome.ok:
             self.tool_errors.append(outcome.observation)
         if outcome.violation is not None:
@@ -129,13 +129,6 @@ class RetailEpisode:
             if action["ok"] and action["name"] == intent["tool"] and target == intent["target"]:
                 return True
         return False
-
-
-def _jsonable(value: Any) -> Any:
-    try:
-        return json.loads(json.dumps(value))
-    except (TypeError, ValueError):
-        return repr(value)
 
 
 class RetailEnv:

@@ -28,7 +28,9 @@ def _materialize_stale(defs, instance):
     """Run the demo runner's waves (the code path of `make demo`)."""
     from trace_assets.cli import run_stale
 
-    return run_stale(defs, instance, "trace_main")
+    run_ids, failures = run_stale(defs, instance, "trace_main")
+    assert not failures, failures
+    return run_ids
 
 
 @pytest.fixture(scope="module")

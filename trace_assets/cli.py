@@ -107,8 +107,10 @@ def plan_wave(defs, statuses: dict) -> list[tuple[str | None, list]]:
     return runs
 
 
-def run_stale(defs, instance, job_name: str, *, max_waves: int = 50) -> list[str]:
-    """Materialize missing/stale assets in waves until everything is fresh; return the run ids.
+def run_stale(defs, instance, job_name: str, *, max_waves: int = 50) -> tuple[list[str], list[str]]:
+    """Materialize missing/stale assets in waves until everything is fresh.
+
+    Returns the run ids and a description of every failed run.
 
     A run that fails (or whose blocking check fails) is reported and not retried in this
     invocation; its partition's siblings and unrelated assets go on.
@@ -116,6 +118,7 @@ def run_stale(defs, instance, job_name: str, *, max_waves: int = 50) -> list[str
     job = defs.resolve_job_def(job_name)
     graph = defs.resolve_asset_graph()
     run_ids: list[str] = []
+    failures: list[str] = []
     failed: set[tuple] = set()
     for _ in range(max_waves):
         statuses = stale_items(defs, instance)
@@ -137,9 +140,10 @@ def run_stale(defs, instance, job_name: str, *, max_waves: int = 50) -> list[str
             run_ids.append(result.run_id)
             if not result.success:
                 failed.update((k, partition_key) for k in keys)
+                failures.append(f"run {result.run_id}: {[k.to_user_string() for k in keys]}{where}")
                 console.print(f"[red]run {result.run_id} failed for {[k.to_user_string() for k in keys]}{where}; "
                               f"see `make ui` for the logs. Continuing with the rest.[/]")
-    return run_ids
+    return run_ids, failures
 
 
 def print_summary(defs, instance, run_ids: list[str], wall_s: float) -> None:
@@ -194,9 +198,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     instance = DagsterInstance.get()
     ensure_pools(instance)  # pool "train" = 1: two trainings never fight for the cores
-    run_ids = run_stale(defs, instance, MAIN_JOB)
+    run_ids, failures = run_stale(defs, instance, MAIN_JOB)
     print_summary(defs, instance, run_ids, time.perf_counter() - start)
-    return 0
+    for failure in failures:
+        console.print(f"[red]failed: {failure}[/]")
+    return 1 if failures else 0
 
 
 def cmd_audit(args: argparse.Namespace) -> int:

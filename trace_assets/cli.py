@@ -176,13 +176,17 @@ def print_summary(defs, instance, run_ids: list[str], wall_s: float) -> None:
             duration = "fresh"
         table.add_row(key.to_user_string(), duration, figures)
     console.print(table)
-    for key_name in ("base_trajectories",):
-        from dagster import AssetKey
+    from dagster import AssetKey
 
+    for key_name, entry, title in (
+        ("base_trajectories", "success_by_family", "base agent: success by family (train and test)"),
+        ("selected_capabilities", "selection", "Step 1: capabilities, Δ, Cov and the selection (C*)"),
+        ("router_eval", "report", "TRACE results"),
+    ):
         event = instance.get_latest_materialization_event(AssetKey(key_name))
-        if event and "success_by_family" in event.asset_materialization.metadata:
-            console.print(f"\n[bold]{key_name}: success by family[/]")
-            console.print(event.asset_materialization.metadata["success_by_family"].value)
+        if event and entry in event.asset_materialization.metadata:
+            console.print(f"\n[bold]{title}[/]")
+            console.print(event.asset_materialization.metadata[entry].value, highlight=False)
     console.print(f"\n[bold]demo wall time: {wall_s / 60:.1f} min[/]; runs: {', '.join(run_ids) or 'none (all fresh)'}")
     console.print(f"Open the same instance in the UI with [bold]make ui[/] (DAGSTER_HOME={os.environ['DAGSTER_HOME']}).")
 

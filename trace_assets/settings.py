@@ -31,8 +31,8 @@ class TaskSettings:
 
     env: str = "retail"
     demo_per_family: int = 8  # train tasks whose scripted demos warm-start the demo agent
-    train_per_family: int = 12  # train tasks the base agent is rolled out on (Step 1's data)
-    test_per_family: int = 6  # held-out tasks: measuring only, never used to identify
+    train_per_family: int = 6  # train tasks the base agent is rolled out on (Step 1's data)
+    test_per_family: int = 3  # held-out tasks: measuring only, never used to identify
     seed: int = 0
 
 

@@ -7,6 +7,8 @@ store, the model cache, adapters and synthetic environments. Deleting it resets 
 from __future__ import annotations
 
 import os
+import shutil
+import uuid
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -50,3 +52,23 @@ def quarantine_dir() -> Path:
 
 def landing_dir() -> Path:
     return sub("landing")
+
+
+def swap_in_folder(tmp: Path, final: Path) -> Path:
+    """Move a fully written ``tmp`` folder to ``final`` (same filesystem), replacing an older one.
+
+    The old folder is renamed aside before the new one takes its place, so a reader never sees a
+    half-written folder; a failure removes ``tmp`` and re-raises.
+    """
+    try:
+        if final.exists():
+            trash = final.parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(final, trash)
+            os.rename(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from trace_assets.agent.chat import QWEN25_TOOL_TEMPLATE
-from trace_assets.paths import models_dir
+from trace_assets.paths import models_dir, swap_in_folder
 
 log = logging.getLogger(__name__)
 
@@ -131,16 +131,10 @@ def _ensure_folder(name: str, build: Callable[[Path], None]) -> Path:
         try:
             build(tmp)
             write_checksum(tmp)
-            if final.exists():  # invalid old folder: move aside, then swap in the new one
-                trash = models_dir() / f".{name}.tmp-old-{uuid.uuid4().hex[:8]}"
-                os.rename(final, trash)
-                os.rename(tmp, final)
-                shutil.rmtree(trash, ignore_errors=True)
-            else:
-                os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        swap_in_folder(tmp, final)  # an invalid old folder is moved aside, then replaced
     return final
 
 

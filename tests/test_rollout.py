@@ -334,6 +334,21 @@ def test_length_cut_twice_ends_and_max_steps(tokenizer):
     assert [m["role"] for m in r.messages].count("assistant") == 4
 
 
+def test_max_errors_ends_a_stuck_episode_and_successes_reset_nothing(tokenizer):
+    env, tasks = _tasks(1)
+    bad = '<tool_call>{"name": "lookup", "arguments": {"x": "one"}}</tool_call>'
+    r = run_rollouts(env, tasks, ScriptedBackend(tokenizer, [bad]), tokenizer, RolloutConfig(max_errors=3))[0]
+    assert r.steps == 3 and r.stop_reason == "max_errors" and not r.truncated
+    assert sum(m["role"] == "tool" and m["content"].startswith("Error:") for m in r.messages) == 3
+    _check_bookkeeping(r, tokenizer)
+    # Errors count over the whole episode (tau2-bench), and 0 disables the rule.
+    script = [bad, CANON, bad, CANON, bad, "done"]
+    r = run_rollouts(env, tasks, ScriptedBackend(tokenizer, script), tokenizer, RolloutConfig(max_errors=3))[0]
+    assert r.stop_reason == "max_errors" and r.steps == 5
+    r = run_rollouts(env, tasks, ScriptedBackend(tokenizer, [bad]), tokenizer, RolloutConfig(max_steps=12, max_errors=0))[0]
+    assert r.stop_reason == "max_steps" and r.steps == 12
+
+
 def test_garbage_and_env_bugs_never_crash(tokenizer):
     env, tasks = _tasks(2)
     garbage = ["<tool_call><tool_call>{{{</tool_call>\x00\ufffd<|endoftext|>", "</tool_call>", "<tool_call>", ""]

@@ -1,4 +1,4 @@
-"""The ``trace`` command line: provision models, run the demo, import trajectories.
+"""The ``trace`` command line: provision models, run the demo, import trajectories, serve adapters.
 
 ``trace demo`` materializes the main job into the persistent Dagster instance (``DAGSTER_HOME``,
 the repo root by default, whose ``dagster.yaml`` keeps storage under the data folder). It only
@@ -232,6 +232,61 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0 if not report["problems"] else 1
 
 
+def served_base_model() -> str:
+    """The folder the adapters were trained on: the latest ``base_agent`` materialization's path,
+    else the provisioned demo model."""
+    from dagster import AssetKey, DagsterInstance
+
+    from trace_assets.agent.model import resolve_model
+
+    event = DagsterInstance.get().get_latest_materialization_event(AssetKey("base_agent"))
+    materialization = event.asset_materialization if event else None
+    if materialization and "path" in materialization.metadata:
+        return str(materialization.metadata["path"].value)
+    return resolve_model("demo")
+
+
+def serve_command(base: str, adapters: dict[str, str], *, host: str, port: int, eager: bool,
+                  max_model_len: int = 4096, max_lora_rank: int = 64) -> list[str]:
+    """The ``vllm serve`` argv: hermes tool parsing (our Qwen2.5 template) and one LoRA per adapter."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", base, "--served-model-name", "trace-base",
+           "--host", host, "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_model_len),
+           "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-prefix-caching"]
+    if eager:
+        cmd.append("--enforce-eager")
+    if adapters:
+        cmd += ["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", str(min(len(adapters), 8)),
+                "--lora-modules", *[f"{name}={path}" for name, path in sorted(adapters.items())]]
+    return cmd
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Start ``vllm serve`` (OpenAI-compatible) on the base agent plus every registered adapter."""
+    import shlex
+    import subprocess
+
+    _instance_env()
+    from resources.mlflow_registry import MlflowRegistry
+
+    base = args.model or served_base_model()
+    registry = MlflowRegistry()
+    adapters: dict[str, str] = {}
+    for capability in registry.capabilities():
+        try:
+            version, folder = registry.resolve(capability, args.alias)
+        except Exception as exc:  # no version under this alias: say so, serve the others
+            console.print(f"[yellow]skipping {capability}: no version under alias {args.alias!r} ({exc})[/]")
+            continue
+        adapters[capability] = str(folder)
+        console.print(f"adapter [bold]{capability}[/] = trace-lora-{capability} v{version} @{args.alias} → {folder}")
+    cmd = serve_command(base, adapters, host=args.host, port=args.port, eager=args.eager)
+    console.print(f"base model: {base}\n$ {shlex.join(cmd)}")
+    if args.dry_run:
+        return 0
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+    return subprocess.call(cmd, env=env)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trace", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -247,6 +302,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("capability")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_audit)
+    p = sub.add_parser("serve", help="vllm serve the base agent + registered adapters (OpenAI-compatible)")
+    p.add_argument("--alias", default="champion", help="MLflow alias of each adapter to serve")
+    p.add_argument("--model", default=None, help="base model folder (default: the latest base_agent)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--eager", action="store_true", help="skip torch.compile (faster start, slower decoding)")
+    p.add_argument("--dry-run", action="store_true", help="print the command, do not start the server")
+    p.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -43,7 +43,11 @@ def build_definitions(settings: Settings | None = None) -> Definitions:
 def build_resources(settings: Settings) -> dict:
     """The resources every asset uses, configured from ``settings``."""
     return {
-        "models": ModelResource(base_model=settings.base_model, generation_batch_size=settings.rollout.batch_size),
+        "models": ModelResource(
+            base_model=settings.base_model, generation_batch_size=settings.rollout.batch_size,
+            generation_backend=settings.generation.backend, vllm_enforce_eager=settings.generation.vllm_enforce_eager,
+            vllm_kv_cache_gb=settings.generation.vllm_kv_cache_gb,
+        ),
         "store": TraceStore(),
         "analyst": AnalystResource(
             kind=settings.analyst.kind, base_url=settings.analyst.base_url, model=settings.analyst.model,

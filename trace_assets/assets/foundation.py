@@ -159,11 +159,15 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
         env = get_environment(task_cfg.env)
         tasks = tasks_of(task_splits, "train") + tasks_of(task_splits, "test")
         split_of = {t["task_id"]: name for name in ("train", "test") for t in task_splits[name]}
-        model, tokenizer = models.load(base_agent["path"])
-        backend = models.backend(model, tokenizer)
+        from trace_assets.agent.model import load_tokenizer
+
+        tokenizer = load_tokenizer(base_agent["path"])
+        backend = models.backend_for(base_agent["path"])
+        context.log.info(f"generation backend: {models.backend_label(backend)}")
         config = RolloutConfig(
             max_steps=roll_cfg.max_steps, max_new_tokens=roll_cfg.max_new_tokens,
-            max_context_tokens=roll_cfg.max_context_tokens, temperature=roll_cfg.temperature, seed=roll_cfg.seed,
+            max_context_tokens=roll_cfg.max_context_tokens, max_errors=roll_cfg.max_errors,
+            temperature=roll_cfg.temperature, seed=roll_cfg.seed,
         )
         step = max(1, len(tasks) // 10)
 
@@ -183,7 +187,7 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
             {"trajectory_ids": ids, "n": len(records)},
             data_version=DataVersion(stable_hash(ids)),
             metadata={
-                "episodes": len(records), "new_rows": inserted,
+                "episodes": len(records), "new_rows": inserted, "generation_backend": models.backend_label(backend),
                 "generated_tokens": sum(r.n_generated for r in rollouts),
                 "success_by_family": MetadataValue.md(to_markdown(table)),
                 "sample_failed_trajectory": MetadataValue.md(render_markdown(sample["messages"])),

@@ -73,7 +73,8 @@ def build_route_assets(settings: Settings) -> list:
             model, tokenizer = models.load(base_agent["path"])
             context.log.info(f"GRPO on the target: budget {budget} rollouts = {iterations} iterations x {per_iteration}")
             trainer = GRPOTrainer(model, tokenizer, env, config, out_dir, progress=lambda m: context.log.info(
-                f"[grpo_target] iteration {m.iteration}: reward {m.mean_reward:.3f} success {m.success_rate:.2f}"))
+                f"[grpo_target] iteration {m.iteration}: reward {m.mean_reward:.3f} success {m.success_rate:.2f}"),
+                backend_factory=models.policy_backend_factory(base_agent["path"]))
             try:
                 result = trainer.train()
             except GRPOError as exc:

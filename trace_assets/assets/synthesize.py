@@ -58,8 +58,11 @@ def build_synthesize_assets(settings: Settings) -> list:
         if problems:
             raise Failure(f"synthetic_env[{name}]: spec rejected; the previous materialization is kept: {problems[:5]}")
 
-        model, tokenizer = models.load(base_agent["path"])
-        backend = models.backend(model, tokenizer)
+        from trace_assets.agent.model import load_tokenizer
+
+        tokenizer = load_tokenizer(base_agent["path"])
+        backend = models.backend_for(base_agent["path"])
+        context.log.info(f"generation backend: {models.backend_label(backend)}")
         last: dict[str, Any] = {}
 
         def rollout_fn(env, tasks, k, temperature):

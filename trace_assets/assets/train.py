@@ -75,7 +75,8 @@ def build_train_assets(settings: Settings) -> list:
                 f"{metrics.success_rate:.2f}, loss {metrics.loss:.4f}, gen {metrics.gen_time_s:.0f}s, opt {metrics.opt_time_s:.0f}s"
             )
 
-        trainer = GRPOTrainer(model, tokenizer, env, grpo_config, out_dir, progress=progress)
+        trainer = GRPOTrainer(model, tokenizer, env, grpo_config, out_dir, progress=progress,
+                              backend_factory=models.policy_backend_factory(base_agent["path"]))
         try:
             result = trainer.train()
         except GRPOError as exc:

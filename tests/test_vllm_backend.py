@@ -219,6 +219,9 @@ def test_auto_falls_back_to_transformers_when_the_engine_cannot_start(monkeypatc
     monkeypatch.setattr(models_module, "_FAILED_ENGINES", {})
     auto = ModelResource(base_model="tiny", generation_backend="auto")
     assert auto.backend_for(str(tiny_model_path)).name == "transformers"
+    # On CPU, auto keeps LoRA generation (GRPO, routed evaluation) on transformers: measured faster.
+    assert auto.policy_backend_factory(str(tiny_model_path)) is None
+    assert auto.vllm_engine(str(tiny_model_path), lora=True) is None
     with pytest.raises(RuntimeError, match="no engine here"):
         ModelResource(base_model="tiny", generation_backend="vllm").backend_for(str(tiny_model_path))
     with pytest.raises(ValueError, match="unknown backend"):

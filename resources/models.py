@@ -84,7 +84,6 @@ class ModelResource(ConfigurableResource):
         With vLLM the HF ``model`` is not used; pass it when you have it, or leave it None and the
         transformers fallback loads it.
         """
-        from trace_assets.agent.backends import TransformersBackend
         from trace_assets.agent.vllm_backend import VLLMBackend
 
         engine = self.vllm_engine(path)
@@ -92,7 +91,7 @@ class ModelResource(ConfigurableResource):
             return VLLMBackend(engine)
         if model is None or tokenizer is None:
             model, tokenizer = self.load(path)
-        return TransformersBackend(model, tokenizer, batch_size=self.generation_batch_size)
+        return self.backend(model, tokenizer)
 
     def policy_backend_factory(self, path: str) -> Any:
         """For :class:`~trace_assets.train.grpo.GRPOTrainer`: a ``(peft_model, tokenizer) -> backend``

@@ -116,6 +116,7 @@ class _Live:
 
     def __init__(self, task: Task, episode: Episode | None, rollout: Rollout) -> None:
         self.task = task
+        self.adapter: str | None = None
         self.episode = episode
         self.rollout = rollout
         self.length_hits = 0
@@ -247,7 +248,8 @@ def run_rollouts(
         raise ValueError(f"{len(adapters)} adapters for {len(tasks)} tasks")
     enc = _Encoder(tokenizer, env.tool_schemas())
     lives = [_start(env, task, enc, config.seed) for task in tasks]
-    adapter_of = {id(live): adapters[i] for i, live in enumerate(lives)} if adapters is not None else None
+    for live, adapter in zip(lives, adapters or []):
+        live.adapter = adapter
     total, finished = len(lives), 0
 
     def report() -> None:
@@ -287,10 +289,10 @@ def run_rollouts(
             seed=derive_seed(config.seed, round_index),
         )
         prompts = [live.rollout.token_ids for live in active]
-        if adapter_of is None:
+        if adapters is None:
             generations = backend.generate(prompts, params)
         else:
-            generations = backend.generate(prompts, params, adapters=[adapter_of[id(live)] for live in active])
+            generations = backend.generate(prompts, params, adapters=[live.adapter for live in active])
         round_index += 1
         for live, gen in zip(active, generations):
             r = live.rollout

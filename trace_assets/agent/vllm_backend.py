@@ -30,7 +30,6 @@ Contracts (what differs from :class:`~trace_assets.agent.backends.TransformersBa
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import logging
 import os
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from trace_assets.agent.backends import STOP_TOKEN, Generation, SamplingParams
+from trace_assets.agent.rollout import derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ class VLLMEngine:
                 temperature=0.0 if greedy else float(params.temperature),
                 top_p=1.0 if greedy else float(params.top_p), top_k=0,
                 max_tokens=params.max_new_tokens, stop_token_ids=[self.stop_id], logprobs=0,
-                seed=_request_seed(base_seed, i), skip_special_tokens=False, detokenize=False,
+                seed=derive_seed(base_seed, i), skip_special_tokens=False, detokenize=False,
                 repetition_penalty=1.0,
             )
             for i in range(len(prompts))
@@ -231,11 +231,6 @@ class VLLMEngine:
             reason = "length"
         return Generation(token_ids=ids, text=self.tokenizer.decode(ids, skip_special_tokens=False),
                           logprobs=logprobs or None, finish_reason=reason)  # type: ignore[arg-type]
-
-
-def _request_seed(seed: int, index: int) -> int:
-    digest = hashlib.sha256(f"{seed}/{index}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 class VLLMBackend:

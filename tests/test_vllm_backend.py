@@ -178,6 +178,58 @@ def test_policy_backend_hot_loads_after_every_optimizer_step(
     assert [g.token_ids for g in after] != [g.token_ids for g in first]
 
 
+@pytest.fixture(scope="session")
+def tiny_plain_engine(tiny_model_path: Path) -> VLLMEngine:
+    """An engine without LoRA layers: the one weight sync writes into."""
+    from dataclasses import replace
+
+    return VLLMEngine.shared(str(tiny_model_path), replace(OPTIONS, enable_lora=False, kv_cache_gb=0.25))
+
+
+def test_weight_sync_serves_the_adapter_and_restores_the_base_exactly(
+    tiny_plain_engine: VLLMEngine, tiny_hf: tuple[Any, Any], tiny_model_path: Path
+) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    model, tokenizer = tiny_hf
+    torch.manual_seed(5)
+    peft = get_peft_model(_fresh_model(tiny_model_path), LoraConfig(
+        r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.mul_(8.0)
+    prompts = _retail_prompts(tokenizer, 3)
+    base_before = VLLMBackend(tiny_plain_engine).generate(prompts, GREEDY)
+
+    policy = VLLMBackend(tiny_plain_engine, peft_model=peft, sync="weights")
+    first = policy.generate(prompts, GREEDY)
+    _assert_same(first, TransformersBackend(peft, tokenizer).generate(prompts, GREEDY))
+    assert [g.token_ids for g in first] != [g.token_ids for g in base_before]  # the adapter really acts
+    policy.generate(prompts, GREEDY)
+    assert policy.syncs == 1  # unchanged weights are not pushed again
+
+    params = [p for p in peft.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=50.0)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    after = policy.generate(prompts, GREEDY)
+    assert policy.syncs == 2
+    _assert_same(after, TransformersBackend(peft, tokenizer).generate(prompts, GREEDY))
+
+    # A base request restores the original weights (bit-exact copies), and so the original outputs.
+    base_after = VLLMBackend(tiny_plain_engine).generate(prompts, GREEDY)
+    assert tiny_plain_engine.weights_tag == "base"
+    assert [(g.token_ids, g.logprobs) for g in base_after] == [(g.token_ids, g.logprobs) for g in base_before]
+    _assert_same(base_after, TransformersBackend(model, tokenizer).generate(prompts, GREEDY))
+    # The policy notices that the engine no longer holds its weights, and pushes them again.
+    _assert_same(policy.generate(prompts, GREEDY), after, atol=1e-6)
+    assert policy.syncs == 3
+    with pytest.raises(RuntimeError, match="holds weights"):
+        tiny_plain_engine.generate(prompts, GREEDY, weights="someone-else")
+
+
 def test_rollouts_with_per_episode_adapters(
     tiny_engine: VLLMEngine, tiny_hf: tuple[Any, Any], tiny_model_path: Path, tmp_path: Path
 ) -> None:
@@ -219,7 +271,7 @@ def test_auto_falls_back_to_transformers_when_the_engine_cannot_start(monkeypatc
     monkeypatch.setattr(models_module, "_FAILED_ENGINES", {})
     auto = ModelResource(base_model="tiny", generation_backend="auto")
     assert auto.backend_for(str(tiny_model_path)).name == "transformers"
-    # On CPU, auto keeps LoRA generation (GRPO, routed evaluation) on transformers: measured faster.
+    # No engine: adapters (GRPO, evaluation) fall back to transformers too; LoRA-engine requests too.
     assert auto.policy_backend_factory(str(tiny_model_path)) is None
     assert auto.vllm_engine(str(tiny_model_path), lora=True) is None
     with pytest.raises(RuntimeError, match="no engine here"):

@@ -75,8 +75,8 @@ def build_train_assets(settings: Settings) -> list:
                 f"{metrics.success_rate:.2f}, loss {metrics.loss:.4f}, gen {metrics.gen_time_s:.0f}s, opt {metrics.opt_time_s:.0f}s"
             )
 
-        trainer = GRPOTrainer(model, tokenizer, env, grpo_config, out_dir, progress=progress,
-                              backend_factory=models.policy_backend_factory(base_agent["path"]))
+        policy_backends = models.policy_backend_factory(base_agent["path"])
+        trainer = GRPOTrainer(model, tokenizer, env, grpo_config, out_dir, progress=progress, backend_factory=policy_backends)
         try:
             result = trainer.train()
         except GRPOError as exc:
@@ -84,7 +84,7 @@ def build_train_assets(settings: Settings) -> list:
         comparison = compare_base_and_adapter(trainer.model, tokenizer, env, EvalConfig(
             n_tasks=train_cfg.eval_tasks, max_steps=grpo_config.max_steps, max_new_tokens=grpo_config.max_new_tokens,
             max_context_tokens=grpo_config.max_context_tokens,
-        ))
+        ), backend_factory=policy_backends)
         history = result.history
         rollouts = len(history) * grpo_config.groups * grpo_config.samples_per_group
         lineage = {

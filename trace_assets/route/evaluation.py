@@ -113,11 +113,11 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
             per_system[name] = [r.result.reward for r in chunk]
             success[name] = [r.result.success for r in chunk]
             eval_rollouts[name] = len(chunk)
-    else:
+    else:  # one system at a time; with vLLM its merged weights are pushed into the base engine
         for name in bank_paths:
             with bank.use(name) as active:
                 log(f"evaluating {name} on {len(tasks)} test tasks")
-                rollouts = run_rollouts(env, tasks, models.backend(active, tokenizer), tokenizer, config)
+                rollouts = run_rollouts(env, tasks, models.peft_backend(base_agent["path"], active, tokenizer), tokenizer, config)
             per_system[name] = [r.result.reward for r in rollouts]
             success[name] = [r.result.success for r in rollouts]
             eval_rollouts[name] = len(rollouts)
@@ -140,7 +140,8 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
                     soft[i] = singles[group.adapter][i] if group.adapter else per_system[None][i]
                 continue
             with bank.composed(group.weights) as mixed:
-                rollouts = run_rollouts(env, [tasks[i] for i in group.indices], models.backend(mixed, tokenizer), tokenizer, config)
+                backend = models.peft_backend(base_agent["path"], mixed, tokenizer)
+                rollouts = run_rollouts(env, [tasks[i] for i in group.indices], backend, tokenizer, config)
             eval_rollouts["trace_soft"] = eval_rollouts.get("trace_soft", 0) + len(rollouts)
             for i, rollout in zip(group.indices, rollouts):
                 soft[i] = rollout.result.reward

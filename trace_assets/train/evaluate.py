@@ -10,6 +10,7 @@ Paper settings: T = 0, at most 50 interaction steps, 32k context (``EvalConfig.p
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -58,20 +59,24 @@ def _report(policy: str, rollouts: list[Rollout]) -> EvalReport:
                       success_rate=sum(bool(r.result.success) for r in rollouts) / max(n, 1), rewards=rewards)
 
 
-def evaluate_policy(model: Any, tokenizer: Any, env: Environment, config: EvalConfig, *, policy: str) -> EvalReport:
-    """Greedy rollouts of ``model`` on the held-out tasks."""
+def evaluate_policy(model: Any, tokenizer: Any, env: Environment, config: EvalConfig, *, policy: str,
+                    backend_factory: Callable[[Any, Any], Any] | None = None) -> EvalReport:
+    """Greedy rollouts of ``model`` on the held-out tasks. ``backend_factory(model, tokenizer)``
+    (e.g. ``ModelResource.policy_backend_factory``) serves the model as it is when called;
+    default: transformers."""
     tasks = env.sample_tasks(config.n_tasks, offset=config.seed_offset)
-    backend = TransformersBackend(model, tokenizer, batch_size=config.batch_size)
     model.eval()
+    backend = (backend_factory(model, tokenizer) if backend_factory is not None
+               else TransformersBackend(model, tokenizer, batch_size=config.batch_size))
     return _report(policy, run_rollouts(env, tasks, backend, tokenizer, config.rollout_config()))
 
 
-def compare_base_and_adapter(peft_model: Any, tokenizer: Any, env: Environment,
-                             config: EvalConfig | None = None) -> dict[str, EvalReport]:
+def compare_base_and_adapter(peft_model: Any, tokenizer: Any, env: Environment, config: EvalConfig | None = None,
+                             *, backend_factory: Callable[[Any, Any], Any] | None = None) -> dict[str, EvalReport]:
     """``{"base": ..., "adapter": ...}`` on the same held-out tasks (base = adapter disabled)."""
     config = config or EvalConfig()
     disabled = getattr(peft_model, "disable_adapter", None)
     with disabled() if disabled else contextlib.nullcontext():
-        base = evaluate_policy(peft_model, tokenizer, env, config, policy="base")
-    adapter = evaluate_policy(peft_model, tokenizer, env, config, policy="adapter")
+        base = evaluate_policy(peft_model, tokenizer, env, config, policy="base", backend_factory=backend_factory)
+    adapter = evaluate_policy(peft_model, tokenizer, env, config, policy="adapter", backend_factory=backend_factory)
     return {"base": base, "adapter": adapter}

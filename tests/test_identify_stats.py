@@ -96,6 +96,20 @@ def test_selection_boundaries_and_k_of_n():
     assert select(rule, _runs(seven)).row(0, named=True)["selected"] is False
 
 
+def test_training_budget_keeps_the_top_passing_capabilities_by_delta():
+    runs = pl.concat([
+        _runs([(d, 0.5)]).with_columns(pl.lit(name).alias("capability"))
+        for name, d in (("weak", 0.25), ("strong", 0.7), ("middle", 0.4), ("tied_a", 0.4), ("below", 0.1))
+    ])
+    table = {r["capability"]: r for r in select(SelectionRule(max_selected=3), runs).iter_rows(named=True)}
+    assert {n for n, r in table.items() if r["selected"]} == {"strong", "middle", "tied_a"}  # tie broken by name
+    assert {n for n, r in table.items() if r["deferred"]} == {"weak"}  # passed, but over the budget
+    assert table["below"]["selected"] is False and table["below"]["deferred"] is False
+    assert sum(select(SelectionRule(), runs)["selected"]) == 4  # 0 = no budget
+    with pytest.raises(ValueError, match="max_selected"):
+        SelectionRule(max_selected=-1)
+
+
 def test_aggregate_mean_and_std():
     agg = aggregate(_runs([(0.2, 0.1), (0.4, 0.3)])).row(0, named=True)
     assert agg["delta_mean"] == pytest.approx(0.3) and agg["delta_std"] == pytest.approx(0.1)

@@ -239,6 +239,8 @@ def build_identify_assets(settings: Settings) -> list:
         c_star_hash = stable_hash([{k: v for k, v in c.items() if k != "justification"} for c in selected])
         metadata = {
             "c_star": MetadataValue.json(names), "n_selected": len(names),
+            "deferred": MetadataValue.json(sorted(table.filter(pl.col("deferred"))["capability"].to_list())
+                                           if "deferred" in table.columns else []),
             "thresholds": MetadataValue.json(rule.__dict__),
             "selection": MetadataValue.md(to_markdown(table) if table.height else "_no capabilities_"),
             "dictionary_version": capability_dictionary["version"],

@@ -119,8 +119,13 @@ class SelectionRule:
     alpha: float = 0.05
     bootstrap_samples: int = 2000
     seed: int = 0
+    max_selected: int = 0
+    """A training budget: keep at most this many of the passing capabilities, by mean Delta
+    (ties by name); the rest are reported as ``deferred``. 0 keeps every passing capability."""
 
     def __post_init__(self) -> None:
+        if self.max_selected < 0:
+            raise ValueError(f"max_selected must be >= 0, not {self.max_selected}")
         if self.method not in ("threshold", "ztest", "bootstrap"):
             raise ValueError(f"selection method {self.method!r} must be threshold, ztest or bootstrap")
         if not 1 <= self.min_runs_passed <= self.runs:
@@ -172,7 +177,8 @@ def select(rule: SelectionRule, run_stats: pl.DataFrame) -> pl.DataFrame:
     """Per capability: runs passed under each method, the p-value, and ``selected`` under the rule.
 
     A capability with fewer labelled runs than N can still be selected if it passed K of them;
-    the label-completeness check is what guards against missing runs.
+    the label-completeness check is what guards against missing runs. With ``rule.max_selected``
+    only the top passing capabilities by mean Delta stay ``selected``; the others get ``deferred``.
     """
     rows = []
     for capability, group in run_stats.sort("run").group_by("capability", maintain_order=True):
@@ -190,5 +196,13 @@ def select(rule: SelectionRule, run_stats: pl.DataFrame) -> pl.DataFrame:
             "selected": passed[rule.method] >= rule.min_runs_passed,
             "selected_threshold": passed["threshold"] >= rule.min_runs_passed,
             "selected_significance": passed["ztest"] >= rule.min_runs_passed,
+            "deferred": False,
+            "_delta": sum(r["delta"] for r in runs) / len(runs),
         })
+    if rule.max_selected:
+        ranked = sorted((r for r in rows if r["selected"]), key=lambda r: (-r["_delta"], r["capability"]))
+        for row in ranked[rule.max_selected:]:
+            row["selected"], row["deferred"] = False, True
+    for row in rows:
+        del row["_delta"]
     return pl.DataFrame(rows) if rows else pl.DataFrame(schema={"capability": pl.String, "selected": pl.Boolean})

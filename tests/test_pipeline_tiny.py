@@ -85,6 +85,13 @@ def test_router_eval_end_to_end(pipeline):
     assert baseline["budget_rollouts"].value == spent["trace_routed"] > 0
     assert baseline["rollouts"].value >= baseline["budget_rollouts"].value
     assert "success_by_system" in md and "success_vs_rollouts" in md and md["mlflow_run_id"].value
+    # The default router is chosen on train-side held-out prompts: every router is measured there.
+    selection = instance.get_latest_materialization_event(AssetKey("router")).asset_materialization.metadata
+    table = selection["router_selection"].value
+    assert "never the test split" in table
+    for router in ("logit", "retrieval_minilm", "retrieval_hidden", "hybrid"):
+        assert f"| {router} " in table, router
+    assert "### Router selection" in report
 
 
 def test_adapters_are_registered_with_lineage(pipeline):

@@ -122,10 +122,13 @@ def run_stale(defs, instance, job_name: str, *, max_waves: int = 50) -> tuple[li
     failed: set[tuple] = set()
     for _ in range(max_waves):
         statuses = stale_items(defs, instance)
+        # A failed run blocks its own items and their descendants in the same partition (all of
+        # them when it was unpartitioned). A failed capability partition does not block the
+        # unpartitioned Step-4 assets: they go on with the capabilities that trained.
         blocked = {
             (k, pk) for (k, pk) in statuses
             for (fk, fpk) in failed
-            if (fpk is None or pk in (None, fpk)) and (k == fk or fk in graph.get_ancestor_asset_keys(k))
+            if (fpk is None or pk == fpk) and (k == fk or fk in graph.get_ancestor_asset_keys(k))
         }
         runs = plan_wave(defs, {item: s for item, s in statuses.items() if item not in blocked})
         runs = [(pk, keys) for pk, keys in runs if keys]

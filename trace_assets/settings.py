@@ -126,11 +126,11 @@ class SynthesisSettings:
     max_retries: int = 2
     calibration_seeds: int = 32
     calibration_k: int = 2  # K >= 2 so that a group can be informative; its rollouts count in the baseline's budget
-    temperature: float = 1.0
+    temperature: float = 0.7  # GRPO's demo temperature: calibrate what training will sample
     band: tuple[float, float] = (0.2, 0.6)
     min_informative: float = 0.5
     max_rounds: int = 5
-    max_steps: int = 8  # interaction steps per calibration episode: what GRPO's demo profile plays
+    max_steps: int = 12  # interaction steps per calibration episode: what GRPO's demo profile plays
 
 
 @dataclass(frozen=True)

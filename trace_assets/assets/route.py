@@ -32,6 +32,9 @@ from trace_assets.settings import Settings, stable_hash
 
 GROUP = "route"
 ALL = AllPartitionMapping()
+EVERY_TRAINED = {"allow_missing_partitions": True}
+"""A capability whose environment failed its blocking check has no adapter partition; Step 4 goes on
+with the capabilities that have one and names the others in its report."""
 
 
 def current_adapters(selected: dict, adapters: dict[str, dict]) -> dict[str, dict]:
@@ -46,7 +49,8 @@ def build_route_assets(settings: Settings) -> list:
     @asset(
         group_name=GROUP, pool="train", kinds={"pytorch", "mlflow"},
         code_version=stable_hash(grpo_config.to_dict()),
-        ins={"lora_adapter": AssetIn(partition_mapping=ALL), "synthetic_env": AssetIn(partition_mapping=ALL)},
+        ins={"lora_adapter": AssetIn(partition_mapping=ALL, metadata=EVERY_TRAINED),
+             "synthetic_env": AssetIn(partition_mapping=ALL, metadata=EVERY_TRAINED)},
     )
     def grpo_baseline(
         context: AssetExecutionContext, models: ModelResource, mlflow: MlflowRegistry,
@@ -57,7 +61,11 @@ def build_route_assets(settings: Settings) -> list:
         from trace_assets.train.grpo import GRPOError, GRPOTrainer
 
         adapters = current_adapters(selected_capabilities, lora_adapter)
-        budget = sum(a["rollouts"] + a.get("calibration_rollouts", 0) for a in adapters.values())
+        # TRACE's whole spend: every adapter's GRPO and calibration rollouts, plus the calibration
+        # rollouts of C* capabilities whose environment failed its check (spent, but no adapter).
+        budget = sum(a["rollouts"] + a.get("calibration_rollouts", 0) for a in adapters.values()) + sum(
+            synthetic_env[n].get("calibration_rollouts", 0) for n in selected_capabilities["names"]
+            if n not in adapters and n in synthetic_env)
         per_iteration = grpo_config.groups * grpo_config.samples_per_group
         iterations = max(1, math.ceil(budget / per_iteration)) if budget else 0
         if not iterations:
@@ -100,8 +108,9 @@ def build_route_assets(settings: Settings) -> list:
         })
 
     @asset(
-        group_name=GROUP, kinds={"python"}, code_version=stable_hash(route_cfg.__dict__),
-        ins={"lora_adapter": AssetIn(partition_mapping=ALL), "synthetic_env": AssetIn(partition_mapping=ALL)},
+        group_name=GROUP, kinds={"python"}, code_version=stable_hash([route_cfg.__dict__, "router-selection-v1"]),
+        ins={"lora_adapter": AssetIn(partition_mapping=ALL, metadata=EVERY_TRAINED),
+             "synthetic_env": AssetIn(partition_mapping=ALL, metadata=EVERY_TRAINED)},
     )
     def router(
         context: AssetExecutionContext, models: ModelResource, store: TraceStore,
@@ -123,8 +132,11 @@ def build_route_assets(settings: Settings) -> list:
             description = next(c["description"] for c in selected_capabilities["capabilities"] if c["name"] == name)
             candidates.append({"name": name, "description": description, "example": example_text(messages)})
         wanted = set(trajectory_splits["d_plus"])
-        base_prompts = [t["messages"][1]["content"] for t in store.trajectories(split="train", policy="base")
-                        if t["trajectory_id"] in wanted][: route_cfg.index_prompts * 2]
+        succeeded = [t["messages"][1]["content"] for t in store.trajectories(split="train", policy="base")
+                     if t["trajectory_id"] in wanted]
+        # Every 4th successful train prompt is held out to measure the routers; the rest is indexed.
+        base_prompts = [p for i, p in enumerate(succeeded) if i % 4 != 3][: route_cfg.index_prompts * 2]
+        held_out_base = succeeded[3::4]
         index_key = stable_hash([route_cfg.embedder, index, base_prompts])
         state = None
         if route_cfg.kind in ("retrieval", "hybrid") and adapters:
@@ -146,13 +158,50 @@ def build_route_assets(settings: Settings) -> list:
             "adapters": {n: {"adapter_dir": a["adapter_dir"], "model_version": a["model_version"]} for n, a in adapters.items()},
             "retrieval_state_path": str(paths.sub("router") / f"{index_key}.json") if state else None,
         }
-        return Output(value, data_version=DataVersion(stable_hash([value["adapters"], index_key, route_cfg.__dict__])), metadata={
+        metadata: dict[str, Any] = {
             "kind": route_cfg.kind, "embedder": route_cfg.embedder, "candidates": MetadataValue.json([c["name"] for c in candidates]),
             "index_key": index_key, "adapters": MetadataValue.json(value["adapters"]),
-        })
+        }
+        if candidates:
+            selection = _router_selection(context, models, base_agent, value, target, adapters, synthetic_env, held_out_base)
+            value["selection"] = selection.to_dicts()
+            metadata["router_selection"] = MetadataValue.md(
+                "Routing accuracy on held-out prompts of the TRAIN side (synthetic seeds apart from the index, "
+                f"and {len(held_out_base)} held-out successful train prompts labelled base); never the test split.\n\n"
+                + to_markdown(selection))
+        return Output(value, data_version=DataVersion(stable_hash([value["adapters"], index_key, route_cfg.__dict__, value.get("selection")])),
+                      metadata=metadata)
+
+    def _router_selection(context, models, base_agent, value, target, adapters, synthetic_env, held_out_base):
+        """Accuracy of every router on train-side held-out prompts: how the configured default is chosen."""
+        import polars as pl
+
+        from trace_assets.route.evaluation import build_routers
+        from trace_assets.route.report import routing_accuracy
+        from trace_assets.route.router import first_user_prompt
+        from trace_assets.synthesize import SyntheticEnv
+
+        prompts, labels = [], []
+        for name in adapters:
+            env = SyntheticEnv(json.loads(open(synthetic_env[name]["spec_path"]).read()), target)
+            for task in env.sample_tasks(route_cfg.index_prompts, offset=route_cfg.index_offset + ROUTER_VALIDATION_SHIFT):
+                prompts.append(first_user_prompt(env, task))
+                labels.append(name)
+        prompts += held_out_base
+        labels += [None] * len(held_out_base)
+        model, tokenizer = models.load(base_agent["path"])
+        decisions = build_routers(settings, model, tokenizer, value, value["candidates"], prompts, context.log.info)
+        rows = [{"router": name, "accuracy": routing_accuracy(ds, labels),
+                 "accuracy_capability_prompts": routing_accuracy(ds[: len(prompts) - len(held_out_base)], labels[: len(prompts) - len(held_out_base)]),
+                 "accuracy_base_prompts": routing_accuracy(ds[len(prompts) - len(held_out_base):], labels[len(prompts) - len(held_out_base):])
+                 if held_out_base else None, "prompts": len(prompts)}
+                for name, ds in decisions.items()]
+        table = pl.DataFrame(rows).sort("accuracy", descending=True)
+        context.log.info(f"router selection (train-side held-out prompts):\n{to_markdown(table)}")
+        return table
 
     @asset(group_name=GROUP, kinds={"mlflow", "python"}, code_version=stable_hash([route_cfg.__dict__, roll_cfg.__dict__]),
-           ins={"lora_adapter": AssetIn(partition_mapping=ALL)})
+           ins={"lora_adapter": AssetIn(partition_mapping=ALL, metadata=EVERY_TRAINED)})
     def router_eval(
         context: AssetExecutionContext, models: ModelResource, store: TraceStore, mlflow: MlflowRegistry,
         task_splits: dict, base_agent: dict, router: dict, grpo_baseline: dict, lora_adapter: dict,
@@ -166,6 +215,11 @@ def build_route_assets(settings: Settings) -> list:
             grpo_baseline=grpo_baseline, adapters=current_adapters(selected_capabilities, lora_adapter),
             log=context.log.info,
         )
+        untrained = [n for n in selected_capabilities["names"] if n not in lora_adapter]
+        if untrained:
+            context.log.warning(f"capabilities of C* without an adapter (their environment failed its check): {untrained}")
+            report["markdown"] += (f"\n\n### Not trained\nIn C* but without an adapter (the synthetic environment "
+                                   f"failed its blocking check; see `synthetic_env`): {', '.join(untrained)}")
         run_id = mlflow.log_report(report["markdown"], report["pngs"], report["metrics"])
         metadata: dict[str, Any] = {
             "report": MetadataValue.md(report["markdown"]), "mlflow_run_id": run_id,
@@ -183,6 +237,10 @@ def build_route_assets(settings: Settings) -> list:
         return Output(value, data_version=DataVersion(stable_hash(value["metrics"])), metadata=metadata)
 
     return [grpo_baseline, router, router_eval]
+
+
+ROUTER_VALIDATION_SHIFT = 100_000
+"""Synthetic seeds that measure the routers start this far after the index's (``route.index_offset``)."""
 
 
 def make_embedder(kind: str, model: Any, tokenizer: Any):

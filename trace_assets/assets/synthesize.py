@@ -70,8 +70,13 @@ def build_synthesize_assets(settings: Settings) -> list:
                                    max_context_tokens=settings.rollout.max_context_tokens,
                                    temperature=temperature, seed=len(last.get("rounds", [])))
             repeated = [t for t in tasks for _ in range(k)]
-            context.log.info(f"calibration round {len(last.get('rounds', []))}: {len(repeated)} episodes at T={temperature}")
+            round_index = len(last.get("rounds", []))
+            context.log.info(f"calibration round {round_index}: {len(repeated)} episodes at T={temperature}, "
+                             f"difficulty {json.dumps(env.spec.get('difficulty', {}))}")
             rollouts = run_rollouts(env, repeated, backend, tokenizer, config)
+            rewards = [r.result.reward for r in rollouts]
+            context.log.info(f"calibration round {round_index}: mean reward {sum(rewards) / max(len(rewards), 1):.3f}, "
+                             f"success {sum(r.result.success for r in rollouts) / max(len(rollouts), 1):.3f}")
             last.setdefault("rounds", []).append(len(rollouts))
             last["rollouts"] = rollouts
             return [r.result for r in rollouts]

@@ -34,8 +34,13 @@ def _rollout_config(settings):
                          max_context_tokens=r.max_context_tokens, max_errors=r.max_errors, temperature=0.0, seed=r.seed)
 
 
-def _routers(settings, model, tokenizer, router_value, candidates, first_prompts, log):
-    """Decisions of every router we can build here: {router name: [Decision]}."""
+def build_routers(settings, model, tokenizer, router_value, candidates, first_prompts, log):
+    """Decisions of every router we can build here on ``first_prompts``: {router name: [Decision]}.
+
+    Routers: ``logit``; ``retrieval_minilm`` and ``retrieval_hidden`` (the router asset's cached
+    index state for the configured embedder, a fresh index for the other); ``hybrid`` (on the
+    configured embedder). An embedder that cannot load is logged and skipped.
+    """
     from trace_assets.route.retrieval import HybridRouter, RetrievalRouter
     from trace_assets.route.router import LogitRouter, RouterCandidate
     from trace_assets.assets.route import make_embedder
@@ -125,7 +130,7 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
 
     first_prompts = [first_user_prompt(env, t) for t in tasks]
     with bank.use(None) as base_model:
-        decisions = _routers(settings, base_model, tokenizer, router, router["candidates"], first_prompts, log)
+        decisions = build_routers(settings, base_model, tokenizer, router, router["candidates"], first_prompts, log)
     chosen = settings.route.kind if settings.route.kind != "retrieval" else f"retrieval_{settings.route.embedder}"
     main_decisions = decisions.get(chosen) or decisions.get("logit") or []
 
@@ -151,7 +156,7 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
     systems["oracle"] = oracle_rewards(singles)
     systems[BASELINE] = per_system[BASELINE]
 
-    trace_spent = sum(a["rollouts"] + a.get("calibration_rollouts", 0) for a in adapters.values())
+    trace_spent = grpo_baseline.get("budget_rollouts") or sum(a["rollouts"] + a.get("calibration_rollouts", 0) for a in adapters.values())
     spent = {"base": 0, "trace_routed": trace_spent, "trace_soft": trace_spent, "oracle": trace_spent,
              BASELINE: grpo_baseline["rollouts"], **{n: a["rollouts"] + a.get("calibration_rollouts", 0) for n, a in adapters.items()}}
     table = success_table(systems, rollouts_spent=spent)
@@ -187,6 +192,8 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
         to_markdown(table),
         "### Success rate by task family", to_markdown(by_family),
         f"### Routing (target = the oracle's choice; configured router: `{chosen}`)", to_markdown(routing) if routing_rows else "_no routers_",
+        "### Router selection (how the default was chosen: accuracy on TRAIN-side held-out prompts, never test)",
+        to_markdown(pl.DataFrame(router["selection"])) if router.get("selection") else "_not measured_",
         "### Routing confusion (chosen label × task family)", to_markdown(confusion) if main_decisions else "_none_",
         "### Attribution (test tasks each adapter fixed / broke against the base)",
         "\n".join(f"- **{n}**: fixed {len(a['fixed'])} {a['fixed'][:5]}, broke {len(a['broke'])} {a['broke'][:5]}" for n, a in attributed.items()) or "_none_",

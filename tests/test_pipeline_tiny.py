@@ -186,3 +186,17 @@ def test_nightly_reidentification_labels_only_new_trajectories(pipeline):
     assert md["labels"].value == md["expected_labels"].value
     print(f"nightly analyst calls: {md['analyst_calls'].value} for {n_new} new of {len(train) + n_new} trajectories "
           f"(full relabel: {(len(train) + n_new) * runs})")
+
+
+def test_a_failed_capability_blocks_its_own_partition_but_not_step_4():
+    from trace_assets.cli import blocked_items
+
+    graph = _defs(TINY).resolve_asset_graph()
+    key = AssetKey
+    items = [(key("synthetic_env"), "a"), (key("lora_adapter"), "a"), (key("lora_adapter"), "b"),
+             (key("router"), None), (key("router_eval"), None), (key("grpo_baseline"), None)]
+    blocked = blocked_items(graph, items, {(key("synthetic_env"), "a")})
+    assert blocked == {(key("synthetic_env"), "a"), (key("lora_adapter"), "a")}
+    # an unpartitioned failure upstream blocks every partition below it
+    blocked = blocked_items(graph, items, {(key("selected_capabilities"), None)})
+    assert blocked == {item for item in items if item[0] != key("selected_capabilities")}

@@ -107,6 +107,38 @@ def plan_wave(defs, statuses: dict) -> list[tuple[str | None, list]]:
     return runs
 
 
+def departed_items(graph, instance, items) -> set[tuple]:
+    """Items of capability partitions that are no longer in C*: kept with their history, not
+    recomputed (e.g. after a settings change made every partition stale). ``capability_spec`` is
+    the exception: it re-runs to record that the capability left (``selected: false``). C* is read
+    from the latest ``selected_capabilities`` materialization; before there is one, nothing is
+    departed."""
+    from dagster import AssetKey
+
+    event = instance.get_latest_materialization_event(AssetKey("selected_capabilities"))
+    if event is None or "c_star" not in event.asset_materialization.metadata:
+        return set()
+    c_star = set(event.asset_materialization.metadata["c_star"].value)
+    return {(k, pk) for (k, pk) in items
+            if pk is not None and graph.get(k).partitions_def is not None
+            and getattr(graph.get(k).partitions_def, "name", None) == "capability" and pk not in c_star
+            and k != AssetKey("capability_spec")}
+
+
+def blocked_items(graph, items, failed: set[tuple]) -> set[tuple]:
+    """The ``(asset_key, partition_key)`` items a failure blocks for the rest of the invocation.
+
+    A failed item blocks itself and its descendants in the same partition (every partition when it
+    was unpartitioned). A failed capability partition does not block the unpartitioned Step-4
+    assets: they go on with the capabilities that trained, and name the others.
+    """
+    return {
+        (k, pk) for (k, pk) in items
+        for (fk, fpk) in failed
+        if (fpk is None or pk == fpk) and (k == fk or fk in graph.get_ancestor_asset_keys(k))
+    }
+
+
 def run_stale(defs, instance, job_name: str, *, max_waves: int = 50) -> tuple[list[str], list[str]]:
     """Materialize missing/stale assets in waves until everything is fresh.
 
@@ -122,14 +154,7 @@ def run_stale(defs, instance, job_name: str, *, max_waves: int = 50) -> tuple[li
     failed: set[tuple] = set()
     for _ in range(max_waves):
         statuses = stale_items(defs, instance)
-        # A failed run blocks its own items and their descendants in the same partition (all of
-        # them when it was unpartitioned). A failed capability partition does not block the
-        # unpartitioned Step-4 assets: they go on with the capabilities that trained.
-        blocked = {
-            (k, pk) for (k, pk) in statuses
-            for (fk, fpk) in failed
-            if (fpk is None or pk == fpk) and (k == fk or fk in graph.get_ancestor_asset_keys(k))
-        }
+        blocked = blocked_items(graph, statuses, failed) | departed_items(graph, instance, statuses)
         runs = plan_wave(defs, {item: s for item, s in statuses.items() if item not in blocked})
         runs = [(pk, keys) for pk, keys in runs if keys]
         if not runs:

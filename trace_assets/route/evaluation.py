@@ -195,6 +195,8 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
         "### Router selection (how the default was chosen: accuracy on TRAIN-side held-out prompts, never test)",
         to_markdown(pl.DataFrame(router["selection"])) if router.get("selection") else "_not measured_",
         "### Routing confusion (chosen label × task family)", to_markdown(confusion) if main_decisions else "_none_",
+        "### Routing confusion per router (rows: the oracle's target, columns: the router's choice)",
+        "\n\n".join(f"**{name}**\n\n" + to_markdown(confusion_matrix(ds, target)) for name, ds in decisions.items()) or "_none_",
         "### Attribution (test tasks each adapter fixed / broke against the base)",
         "\n".join(f"- **{n}**: fixed {len(a['fixed'])} {a['fixed'][:5]}, broke {len(a['broke'])} {a['broke'][:5]}" for n, a in attributed.items()) or "_none_",
         f"### Rollouts spent\nTRACE adapters (GRPO + calibration): {trace_spent}; GRPO on target: {grpo_baseline['rollouts']} "

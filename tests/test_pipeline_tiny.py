@@ -148,6 +148,12 @@ def test_changing_thresholds_reselects_without_relabelling(pipeline):
     # specs did not change, so every synthetic environment stays fresh: nothing is re-synthesized
     statuses = stale_items(defs2, instance)
     assert all(s == StaleStatus.FRESH for s in statuses.values()), {k: s for k, s in statuses.items() if s != StaleStatus.FRESH}
+    # and were they stale (a settings change), the demo runner would not recompute them
+    from trace_assets.cli import departed_items
+
+    departed = departed_items(defs2.resolve_asset_graph(), instance, statuses)
+    assert {pk for _, pk in departed} == left
+    assert {k.to_user_string() for k, _ in departed} == {"synthetic_env", "lora_adapter"}
 
 
 def test_audit_prints_the_whole_chain(pipeline, capsys):

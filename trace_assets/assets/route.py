@@ -67,9 +67,10 @@ def build_route_assets(settings: Settings) -> list:
             synthetic_env[n].get("calibration_rollouts", 0) for n in selected_capabilities["names"]
             if n not in adapters and n in synthetic_env)
         per_iteration = grpo_config.groups * grpo_config.samples_per_group
-        iterations = max(1, math.ceil(budget / per_iteration)) if budget else 0
-        if not iterations:
-            raise Failure("grpo_baseline: no TRACE adapter in the current C*, so the equal-rollout budget is 0")
+        if not adapters:
+            raise Failure("grpo_baseline: no capability of the current C* has an adapter (did every synthetic "
+                          "environment fail its check?), so there is no TRACE to compare with")
+        iterations = max(1, math.ceil(budget / per_iteration))
         config = replace(grpo_config, iterations=iterations)
         env = TaskPoolEnv(get_environment(settings.tasks.env), tasks_of(task_splits, "train") + tasks_of(task_splits, "demo"))
         key = stable_hash([base_agent.get("checksum") or base_agent["path"], config.to_dict(), [t.task_id for t in env.tasks]])

@@ -7,6 +7,7 @@ The sensor is evaluated with ``build_sensor_context`` on a real (ephemeral) inst
 from __future__ import annotations
 
 import json
+import os
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -265,3 +266,39 @@ def test_repo_dagster_yaml_loads_with_pools_monitoring_and_crash_retries(tmp_pat
         assert pools.default_pool_limit == 1
         ensure_pools(instance)
         assert instance.event_log_storage.get_concurrency_info("train").slot_count == 1
+
+
+def test_a_killed_demo_frees_its_train_slot_and_a_live_one_blocks_a_second(tmp_path, monkeypatch):
+    """`trace demo` runs in-process: if it is killed, its run keeps the `train` slot claimed and the
+    next training would wait forever. The next demo marks such runs failed and frees the slot."""
+    import subprocess
+    import sys
+
+    from dagster import DagsterRunStatus
+    from dagster._core.storage.dagster_run import DagsterRun
+
+    from trace_assets.cli import DEMO_PID_TAG, demo_lock
+
+    monkeypatch.setenv("TRACE_DATA_DIR", str(tmp_path / "data"))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with DagsterInstance.ephemeral() as instance:
+        ensure_pools(instance)
+        orphan = instance.add_run(DagsterRun(job_name="trace_main", run_id="orphan", status=DagsterRunStatus.STARTED,
+                                             tags={DEMO_PID_TAG: str(dead.pid)}))
+        ui_run = instance.add_run(DagsterRun(job_name="trace_main", run_id="from-the-ui", status=DagsterRunStatus.STARTED))
+        instance.event_log_storage.claim_concurrency_slot("train", orphan.run_id, "lora_adapter")
+        assert instance.event_log_storage.get_concurrency_info("train").claimed_slots
+
+        with demo_lock(instance):
+            assert not instance.event_log_storage.get_concurrency_info("train").claimed_slots
+            assert instance.get_run_by_id("orphan").status == DagsterRunStatus.FAILURE
+            assert instance.get_run_by_id(ui_run.run_id).status == DagsterRunStatus.STARTED  # not ours: untouched
+            lock = tmp_path / "data" / ".demo.lock"
+            assert lock.read_text() == str(os.getpid())
+            lock.write_text(str(os.getppid()))  # pretend another live demo holds the folder
+            with pytest.raises(SystemExit, match="another `trace demo`"):
+                with demo_lock(instance):
+                    pass
+            lock.write_text(str(os.getpid()))
+        assert not lock.exists()

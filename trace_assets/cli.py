@@ -8,6 +8,7 @@ runs what is missing or stale, in waves, so a second run without changes recompu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -163,7 +164,8 @@ def run_stale(defs, instance, job_name: str, *, max_waves: int = 50) -> tuple[li
             where = f" [{partition_key}]" if partition_key else ""
             console.rule(f"materializing {', '.join(k.to_user_string() for k in keys)}{where}")
             result = job.execute_in_process(
-                instance=instance, asset_selection=keys, partition_key=partition_key, raise_on_error=False
+                instance=instance, asset_selection=keys, partition_key=partition_key, raise_on_error=False,
+                tags={DEMO_PID_TAG: str(os.getpid())},
             )
             run_ids.append(result.run_id)
             if not result.success:
@@ -220,6 +222,55 @@ def print_summary(defs, instance, run_ids: list[str], wall_s: float) -> None:
     console.print(f"Open the same instance in the UI with [bold]make ui[/] (DAGSTER_HOME={os.environ['DAGSTER_HOME']}).")
 
 
+DEMO_PID_TAG = "trace/demo_pid"
+
+
+@contextlib.contextmanager
+def demo_lock(instance):
+    """One ``trace demo`` per data folder, and recovery from a killed one.
+
+    ``trace demo`` runs its steps in its own process (no daemon) and tags each run with its pid. If
+    that process is killed (kill -9, a reboot), its runs stay STARTED and keep their ``train`` pool
+    slot claimed, so the next training step would wait forever. So: runs tagged with the pid of a
+    process that is gone are marked failed and their pool slots freed (runs launched from the UI
+    carry no such tag and are never touched). The lock file names the running demo's pid; a second
+    demo on the same data folder refuses to start while that process lives.
+    """
+    from dagster import DagsterRunStatus, RunsFilter
+
+    lock = paths.data_dir() / ".demo.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    if lock.exists():
+        try:
+            holder = int(lock.read_text().strip() or 0)
+        except ValueError:
+            holder = 0
+        if holder and holder != os.getpid() and _alive(holder):
+            raise SystemExit(f"another `trace demo` (pid {holder}) is running on {paths.data_dir()}; "
+                             f"wait for it, or stop it and run again")
+    for run in instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.STARTED, DagsterRunStatus.STARTING])):
+        pid = run.tags.get(DEMO_PID_TAG)
+        if pid and pid.isdigit() and not _alive(int(pid)):
+            instance.report_run_failed(run, message=f"its `trace demo` process (pid {pid}) died; marked failed by the next demo")
+            instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
+            console.print(f"[yellow]run {run.run_id} was left running by a killed demo: marked failed, pool slots freed[/]")
+    lock.write_text(str(os.getpid()))
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     _instance_env()
     from dagster import DagsterInstance
@@ -238,7 +289,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     instance = DagsterInstance.get()
     ensure_pools(instance)  # pool "train" = 1: two trainings never fight for the cores
-    run_ids, failures = run_stale(defs, instance, MAIN_JOB)
+    with demo_lock(instance):
+        run_ids, failures = run_stale(defs, instance, MAIN_JOB)
     print_summary(defs, instance, run_ids, time.perf_counter() - start)
     for failure in failures:
         console.print(f"[red]failed: {failure}[/]")

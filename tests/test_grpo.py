@@ -323,3 +323,18 @@ def test_config_round_trips_and_profiles_state_their_differences():
     assert demo.lora_r == 16 and demo.beta == 0.0 and demo.epsilon == 0.2
     with pytest.raises(ValueError):
         GRPOConfig(groups=0)
+
+
+def test_micro_batches_bound_sequences_and_padded_tokens():
+    from trace_assets.train.grpo import micro_batches
+
+    # sorted longest first, as optimize() does: 4000 alone (2 x 4000 > 6144), then 3000 + 1000
+    # (2 x 3000 = 6000), then 900 + 100
+    assert micro_batches([4000, 3000, 1000, 900, 100], 4, 6144) == [[0], [1, 2], [3, 4]]
+    assert micro_batches([10] * 9, 4, 10**6) == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
+    assert micro_batches([9000, 10], 4, 6144) == [[0], [1]]  # longer than the budget: alone, not dropped
+    assert micro_batches([], 4, 6144) == []
+    for lengths in ([5, 5, 5], [700, 600, 500, 400, 300, 200, 100]):
+        chunks = micro_batches(lengths, 3, 1500)
+        assert sorted(i for c in chunks for i in c) == list(range(len(lengths)))
+        assert all(len(c) * max(lengths[i] for i in c) <= 1500 or len(c) == 1 for c in chunks)

@@ -72,17 +72,31 @@ def _fresh_model(path: Path) -> Any:
 
 def _random_adapter(base_path: Path, folder: Path, seed: int) -> Path:
     """A random LoRA (large deltas, so it really changes greedy outputs) saved to ``folder``."""
+    _random_peft(base_path, seed, ["q_proj", "v_proj", "down_proj"], scale=8.0).save_pretrained(folder)
+    return folder
+
+
+def _random_peft(base_path: Path, seed: int, target_modules: list[str], scale: float = 1.0) -> Any:
+    """A trainable random LoRA on a fresh copy of the model (``scale`` > 1 makes it act strongly)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
     peft = get_peft_model(_fresh_model(base_path), LoraConfig(
-        r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False))
+        r=8, lora_alpha=32, target_modules=target_modules, init_lora_weights=False))
     with torch.no_grad():
         for name, p in peft.named_parameters():
             if "lora_" in name:
-                p.mul_(8.0)
-    peft.save_pretrained(folder)
-    return folder
+                p.mul_(scale)
+    return peft
+
+
+def _big_optimizer_step(peft: Any) -> None:
+    """One SGD step with random gradients, large enough to change greedy outputs."""
+    params = [p for p in peft.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=50.0)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
 
 
 def test_greedy_matches_transformers_on_tiny(tiny_engine: VLLMEngine, tiny_hf: tuple[Any, Any]) -> None:
@@ -156,22 +170,14 @@ def test_unknown_adapter_is_named(tiny_engine: VLLMEngine, tiny_hf: tuple[Any, A
 def test_policy_backend_hot_loads_after_every_optimizer_step(
     tiny_engine: VLLMEngine, tiny_hf: tuple[Any, Any], tiny_model_path: Path
 ) -> None:
-    from peft import LoraConfig, get_peft_model
-
     _, tokenizer = tiny_hf
-    torch.manual_seed(3)
-    peft = get_peft_model(_fresh_model(tiny_model_path), LoraConfig(
-        r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    peft = _random_peft(tiny_model_path, 3, ["q_proj", "v_proj"])
     backend = VLLMBackend(tiny_engine, peft_model=peft)
     prompts = _retail_prompts(tokenizer, 2)
     first = backend.generate(prompts, GREEDY)
     backend.generate(prompts, GREEDY)
     assert backend.syncs == 1  # unchanged weights are not pushed again
-    params = [p for p in peft.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=50.0)
-    for p in params:
-        p.grad = torch.randn_like(p)
-    optimizer.step()
+    _big_optimizer_step(peft)
     after = backend.generate(prompts, GREEDY)
     assert backend.syncs == 2
     _assert_same(after, TransformersBackend(peft, tokenizer).generate(prompts, GREEDY))
@@ -189,16 +195,8 @@ def tiny_plain_engine(tiny_model_path: Path) -> VLLMEngine:
 def test_weight_sync_serves_the_adapter_and_restores_the_base_exactly(
     tiny_plain_engine: VLLMEngine, tiny_hf: tuple[Any, Any], tiny_model_path: Path
 ) -> None:
-    from peft import LoraConfig, get_peft_model
-
     model, tokenizer = tiny_hf
-    torch.manual_seed(5)
-    peft = get_peft_model(_fresh_model(tiny_model_path), LoraConfig(
-        r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False))
-    with torch.no_grad():
-        for name, p in peft.named_parameters():
-            if "lora_" in name:
-                p.mul_(8.0)
+    peft = _random_peft(tiny_model_path, 5, ["q_proj", "v_proj", "down_proj"], scale=8.0)
     prompts = _retail_prompts(tokenizer, 3)
     base_before = VLLMBackend(tiny_plain_engine).generate(prompts, GREEDY)
 
@@ -209,11 +207,7 @@ def test_weight_sync_serves_the_adapter_and_restores_the_base_exactly(
     policy.generate(prompts, GREEDY)
     assert policy.syncs == 1  # unchanged weights are not pushed again
 
-    params = [p for p in peft.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=50.0)
-    for p in params:
-        p.grad = torch.randn_like(p)
-    optimizer.step()
+    _big_optimizer_step(peft)
     after = policy.generate(prompts, GREEDY)
     assert policy.syncs == 2
     _assert_same(after, TransformersBackend(peft, tokenizer).generate(prompts, GREEDY))

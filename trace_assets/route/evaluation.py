@@ -74,7 +74,9 @@ def build_routers(settings, model, tokenizer, router_value, candidates, first_pr
 
 
 def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: dict, router: dict,
-                     grpo_baseline: dict, adapters: dict[str, dict], log: Callable[[str], None]) -> dict[str, Any]:
+                     grpo_baseline: dict | None, adapters: dict[str, dict], log: Callable[[str], None]) -> dict[str, Any]:
+    """Evaluate every system (module docstring). ``grpo_baseline=None`` leaves the baseline out,
+    e.g. to look at routing before the equal-rollout baseline has been trained."""
     from trace_assets.agent.rollout import run_rollouts
     from trace_assets.route.compose import AdapterBank, plan_groups
     from trace_assets.route.report import (
@@ -101,7 +103,8 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
     success: dict[str | None, list[bool]] = {None: [bool(stored[i]["success"]) for i in ids]}
 
     bank_paths = {name: a["adapter_dir"] for name, a in adapters.items()}
-    bank_paths[BASELINE] = grpo_baseline["adapter_dir"]
+    if grpo_baseline is not None:
+        bank_paths[BASELINE] = grpo_baseline["adapter_dir"]
     bank = AdapterBank(model, bank_paths)
     eval_rollouts = {"base": 0}
     if engine is not None:  # every adapter on every task in ONE engine: batches mix LoRA requests
@@ -154,11 +157,12 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
     for name in adapters:
         systems[name] = per_system[name]
     systems["oracle"] = oracle_rewards(singles)
-    systems[BASELINE] = per_system[BASELINE]
+    if grpo_baseline is not None:
+        systems[BASELINE] = per_system[BASELINE]
 
-    trace_spent = grpo_baseline.get("budget_rollouts") or sum(a["rollouts"] + a.get("calibration_rollouts", 0) for a in adapters.values())
+    trace_spent = (grpo_baseline or {}).get("budget_rollouts") or sum(a["rollouts"] + a.get("calibration_rollouts", 0) for a in adapters.values())
     spent = {"base": 0, "trace_routed": trace_spent, "trace_soft": trace_spent, "oracle": trace_spent,
-             BASELINE: grpo_baseline["rollouts"], **{n: a["rollouts"] + a.get("calibration_rollouts", 0) for n, a in adapters.items()}}
+             **({BASELINE: grpo_baseline["rollouts"]} if grpo_baseline is not None else {}), **{n: a["rollouts"] + a.get("calibration_rollouts", 0) for n, a in adapters.items()}}
     table = success_table(systems, rollouts_spent=spent)
     by_family = pl.DataFrame([
         {"system": "base" if s is None else s, "family": f, "reward": r, "success": r >= 1.0}
@@ -179,9 +183,10 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
     pngs = {"success_by_system": plot_success_by_system(table)}
     trace_success = table.filter(pl.col("system") == "trace_routed")["success_rate"].to_list()
     base_success = table.filter(pl.col("system") == "base")["success_rate"].item()
-    baseline_success = table.filter(pl.col("system") == BASELINE)["success_rate"].item()
-    curves = {"TRACE (routed)": [(0, base_success), (trace_spent, trace_success[0] if trace_success else base_success)],
-              "GRPO on target": [(0, base_success), (grpo_baseline["rollouts"], baseline_success)]}
+    curves = {"TRACE (routed)": [(0, base_success), (trace_spent, trace_success[0] if trace_success else base_success)]}
+    if grpo_baseline is not None:
+        baseline_success = table.filter(pl.col("system") == BASELINE)["success_rate"].item()
+        curves["GRPO on target"] = [(0, base_success), (grpo_baseline["rollouts"], baseline_success)]
     pngs["success_vs_rollouts"] = plot_success_vs_rollouts(curves)
 
     metrics = {f"success_{r['system']}": r["success_rate"] for r in table.to_dicts()}
@@ -199,8 +204,9 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
         "\n\n".join(f"**{name}**\n\n" + to_markdown(confusion_matrix(ds, target)) for name, ds in decisions.items()) or "_none_",
         "### Attribution (test tasks each adapter fixed / broke against the base)",
         "\n".join(f"- **{n}**: fixed {len(a['fixed'])} {a['fixed'][:5]}, broke {len(a['broke'])} {a['broke'][:5]}" for n, a in attributed.items()) or "_none_",
-        f"### Rollouts spent\nTRACE adapters (GRPO + calibration): {trace_spent}; GRPO on target: {grpo_baseline['rollouts']} "
-        f"(budget {grpo_baseline.get('budget_rollouts')}); evaluation rollouts: {json.dumps(eval_rollouts)}",
+        f"### Rollouts spent\nTRACE adapters (GRPO + calibration): {trace_spent}; GRPO on target: "
+        + (f"{grpo_baseline['rollouts']} (budget {grpo_baseline.get('budget_rollouts')})" if grpo_baseline is not None else "not evaluated")
+        + f"; evaluation rollouts: {json.dumps(eval_rollouts)}",
     ])
     return {"systems": table, "by_family": by_family.to_dicts(), "routing": routing, "confusion": confusion,
             "attribution": attributed, "rollouts_spent": {**spent, "evaluation": eval_rollouts}, "metrics": metrics,

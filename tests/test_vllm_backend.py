@@ -99,6 +99,19 @@ def _big_optimizer_step(peft: Any) -> None:
     optimizer.step()
 
 
+def _assert_resyncs_after_a_step(backend: VLLMBackend, peft: Any, tokenizer: Any, prompts: list) -> tuple[list, list]:
+    """Unchanged weights are pushed once; after an optimizer step they are pushed again and the
+    outputs are PEFT's. Returns the generations before and after the step."""
+    first = backend.generate(prompts, GREEDY)
+    backend.generate(prompts, GREEDY)
+    assert backend.syncs == 1  # unchanged weights are not pushed again
+    _big_optimizer_step(peft)
+    after = backend.generate(prompts, GREEDY)
+    assert backend.syncs == 2
+    _assert_same(after, TransformersBackend(peft, tokenizer).generate(prompts, GREEDY))
+    return first, after
+
+
 def test_greedy_matches_transformers_on_tiny(tiny_engine: VLLMEngine, tiny_hf: tuple[Any, Any]) -> None:
     model, tokenizer = tiny_hf
     prompts = _retail_prompts(tokenizer, 3)
@@ -173,14 +186,7 @@ def test_policy_backend_hot_loads_after_every_optimizer_step(
     _, tokenizer = tiny_hf
     peft = _random_peft(tiny_model_path, 3, ["q_proj", "v_proj"])
     backend = VLLMBackend(tiny_engine, peft_model=peft)
-    prompts = _retail_prompts(tokenizer, 2)
-    first = backend.generate(prompts, GREEDY)
-    backend.generate(prompts, GREEDY)
-    assert backend.syncs == 1  # unchanged weights are not pushed again
-    _big_optimizer_step(peft)
-    after = backend.generate(prompts, GREEDY)
-    assert backend.syncs == 2
-    _assert_same(after, TransformersBackend(peft, tokenizer).generate(prompts, GREEDY))
+    first, after = _assert_resyncs_after_a_step(backend, peft, tokenizer, _retail_prompts(tokenizer, 2))
     assert [g.token_ids for g in after] != [g.token_ids for g in first]
 
 
@@ -201,16 +207,9 @@ def test_weight_sync_serves_the_adapter_and_restores_the_base_exactly(
     base_before = VLLMBackend(tiny_plain_engine).generate(prompts, GREEDY)
 
     policy = VLLMBackend(tiny_plain_engine, peft_model=peft, sync="weights")
-    first = policy.generate(prompts, GREEDY)
-    _assert_same(first, TransformersBackend(peft, tokenizer).generate(prompts, GREEDY))
+    _assert_same(policy.generate(prompts, GREEDY), TransformersBackend(peft, tokenizer).generate(prompts, GREEDY))
+    first, after = _assert_resyncs_after_a_step(policy, peft, tokenizer, prompts)
     assert [g.token_ids for g in first] != [g.token_ids for g in base_before]  # the adapter really acts
-    policy.generate(prompts, GREEDY)
-    assert policy.syncs == 1  # unchanged weights are not pushed again
-
-    _big_optimizer_step(peft)
-    after = policy.generate(prompts, GREEDY)
-    assert policy.syncs == 2
-    _assert_same(after, TransformersBackend(peft, tokenizer).generate(prompts, GREEDY))
 
     # A base request restores the original weights (bit-exact copies), and so the original outputs.
     base_after = VLLMBackend(tiny_plain_engine).generate(prompts, GREEDY)

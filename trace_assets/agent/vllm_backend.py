@@ -134,7 +134,6 @@ class VLLMEngine:
         self._base_weights: dict[str, Any] | None = None
         self._current: dict[str, Any] = {}
         self._pushed: set[str] = set()
-        self._dtype = getattr(__import__("torch"), o.dtype)
         self.weight_pushes = 0
 
     @classmethod
@@ -317,7 +316,7 @@ class VLLMEngine:
                 fused[f"{prefix}.{layer_name}"] = [f"{prefix}.{part}.weight" for part in parts]
             for layer_name, parts in fused.items():
                 layer = modules[layer_name]
-                weight = torch.cat([current.get(p, base[p]) for p in parts], dim=0).to(self._dtype).contiguous()
+                weight = torch.cat([current.get(p, base[p]) for p in parts], dim=0).to(getattr(torch, self.options.dtype)).contiguous()
                 layer.weight = torch.nn.Parameter(weight, requires_grad=False)
                 dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
             return len(fused)

@@ -338,3 +338,25 @@ def test_micro_batches_bound_sequences_and_padded_tokens():
         chunks = micro_batches(lengths, 3, 1500)
         assert sorted(i for c in chunks for i in c) == list(range(len(lengths)))
         assert all(len(c) * max(lengths[i] for i in c) <= 1500 or len(c) == 1 for c in chunks)
+
+
+def test_execution_settings_never_retrain_recipe_settings_do():
+    """A memory knob (micro-batch size/tokens) tuned for a smaller machine must not make trained
+    adapters stale; a recipe change (learning rate) must."""
+    import dataclasses
+
+    from dagster import AssetKey
+
+    from trace_assets.definitions import build_definitions
+    from trace_assets.settings import TINY as TINY_SETTINGS
+
+    def versions(**overrides):
+        settings = dataclasses.replace(TINY_SETTINGS, train=dataclasses.replace(TINY_SETTINGS.train, overrides=overrides))
+        graph = build_definitions(settings).resolve_asset_graph()
+        return {k: graph.get(AssetKey(k)).code_version for k in ("lora_adapter", "grpo_baseline")}
+
+    base = versions()
+    assert versions(micro_batch_tokens=1024, micro_batch_size=1, checkpoint_every=3) == base
+    changed = versions(learning_rate=5e-4)
+    assert all(changed[k] != base[k] for k in base)
+    assert set(GRPOConfig.EXECUTION_FIELDS) <= {f.name for f in dataclasses.fields(GRPOConfig)}

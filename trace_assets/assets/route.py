@@ -48,7 +48,7 @@ def build_route_assets(settings: Settings) -> list:
 
     @asset(
         group_name=GROUP, pool="train", kinds={"pytorch", "mlflow"},
-        code_version=stable_hash(grpo_config.to_dict()),
+        code_version=stable_hash(grpo_config.identity()),
         ins={"lora_adapter": AssetIn(partition_mapping=ALL, metadata=EVERY_TRAINED),
              "synthetic_env": AssetIn(partition_mapping=ALL, metadata=EVERY_TRAINED)},
     )
@@ -73,7 +73,7 @@ def build_route_assets(settings: Settings) -> list:
         iterations = max(1, math.ceil(budget / per_iteration))
         config = replace(grpo_config, iterations=iterations)
         env = TaskPoolEnv(get_environment(settings.tasks.env), tasks_of(task_splits, "train") + tasks_of(task_splits, "demo"))
-        key = stable_hash([base_agent.get("checksum") or base_agent["path"], config.to_dict(), [t.task_id for t in env.tasks]])
+        key = stable_hash([base_agent.get("checksum") or base_agent["path"], config.identity(), [t.task_id for t in env.tasks]])
         out_dir = paths.sub("adapters", "_grpo_target", key)
         manifest = out_dir / "trace_adapter.json"
         if manifest.exists():
@@ -81,9 +81,9 @@ def build_route_assets(settings: Settings) -> list:
         else:
             model, tokenizer = models.load(base_agent["path"])
             context.log.info(f"GRPO on the target: budget {budget} rollouts = {iterations} iterations x {per_iteration}")
-            trainer = GRPOTrainer(model, tokenizer, env, config, out_dir, progress=lambda m: context.log.info(
-                f"[grpo_target] iteration {m.iteration}: reward {m.mean_reward:.3f} success {m.success_rate:.2f}"),
-                backend_factory=models.policy_backend_factory(base_agent["path"]))
+            trainer = GRPOTrainer(model, tokenizer, env, config, out_dir,
+                                  backend_factory=models.policy_backend_factory(base_agent["path"]),
+                                  progress=lambda m: context.log.info(f"[grpo_target] {m.line()}"))
             try:
                 result = trainer.train()
             except GRPOError as exc:

@@ -37,7 +37,7 @@ def build_train_assets(settings: Settings) -> list:
 
     @asset(
         group_name=GROUP, partitions_def=capability_partitions, pool="train", kinds={"pytorch", "mlflow"},
-        code_version=stable_hash([grpo_config.to_dict(), train_cfg.eval_tasks]),
+        code_version=stable_hash([grpo_config.identity(), train_cfg.eval_tasks]),
         automation_condition=per_capability_automation,
     )
     def lora_adapter(
@@ -59,7 +59,7 @@ def build_train_assets(settings: Settings) -> list:
             )
         spec = json.loads(open(synthetic_env["spec_path"]).read())
         env = SyntheticEnv(spec, get_environment(settings.tasks.env))
-        key = stable_hash([synthetic_env["spec_hash"], base_agent.get("checksum") or base_agent["path"], grpo_config.to_dict()])
+        key = stable_hash([synthetic_env["spec_hash"], base_agent.get("checksum") or base_agent["path"], grpo_config.identity()])
         out_dir = paths.sub("adapters", name, key)
         manifest = out_dir / "trace_adapter.json"
         if manifest.exists():
@@ -69,14 +69,9 @@ def build_train_assets(settings: Settings) -> list:
 
         model, tokenizer = models.load(base_agent["path"])
 
-        def progress(metrics: Any) -> None:
-            context.log.info(
-                f"[{name}] iteration {metrics.iteration}: reward {metrics.mean_reward:.3f}, success "
-                f"{metrics.success_rate:.2f}, loss {metrics.loss:.4f}, gen {metrics.gen_time_s:.0f}s, opt {metrics.opt_time_s:.0f}s"
-            )
-
         policy_backends = models.policy_backend_factory(base_agent["path"])
-        trainer = GRPOTrainer(model, tokenizer, env, grpo_config, out_dir, progress=progress, backend_factory=policy_backends)
+        trainer = GRPOTrainer(model, tokenizer, env, grpo_config, out_dir, backend_factory=policy_backends,
+                              progress=lambda m: context.log.info(f"[{name}] {m.line()}"))
         try:
             result = trainer.train()
         except GRPOError as exc:

@@ -70,7 +70,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
@@ -160,6 +160,17 @@ class GRPOConfig:
             top_p=self.top_p, seed=derive_seed(self.seed, 1_000_000 + iteration),
             max_context_tokens=self.max_context_tokens,
         )
+
+    EXECUTION_FIELDS: ClassVar[frozenset[str]] = frozenset(
+        {"micro_batch_size", "micro_batch_tokens", "generation_batch_size", "checkpoint_every", "keep_checkpoints"})
+    """Fields that change how a run executes (memory, batching, checkpoint cadence), not the recipe:
+    the loss is the same sum however it is split (up to float rounding), and batching generation
+    changes at most which random draws a sample gets, not its distribution."""
+
+    def identity(self) -> dict[str, Any]:
+        """``to_dict()`` without :attr:`EXECUTION_FIELDS`: what an adapter's ``code_version`` and
+        folder key hash, so a memory setting tuned for a smaller machine never retrains anything."""
+        return {k: v for k, v in self.to_dict().items() if k not in self.EXECUTION_FIELDS}
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -369,6 +380,12 @@ class IterationMetrics:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def line(self) -> str:
+        """One progress line, as the assets log it."""
+        return (f"iteration {self.iteration}: reward {self.mean_reward:.3f}, success {self.success_rate:.2f}, "
+                f"loss {self.loss:.4f}, trained {self.trained_sequences} seqs / {self.loss_tokens} tokens, "
+                f"gen {self.gen_time_s:.0f}s, opt {self.opt_time_s:.0f}s")
+
 
 class GRPOError(RuntimeError):
     """Training stopped: non-finite loss/gradient, environment or reward error.
@@ -519,7 +536,7 @@ class GRPOTrainer:
         if state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{folder}: unknown checkpoint format {state.get('format')!r}")
         saved = GRPOConfig.from_dict(state["config"])
-        if replace(saved, iterations=self.config.iterations) != self.config:
+        if saved.identity() != replace(self.config, iterations=saved.iterations).identity():
             log.warning("resuming %s with a different config than it was trained with", folder)
         weights = load_file(str(folder / "adapter" / "adapter_model.safetensors"), device=str(self.device))
         result = set_peft_model_state_dict(self.model, weights)

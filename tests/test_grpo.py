@@ -360,3 +360,23 @@ def test_execution_settings_never_retrain_recipe_settings_do():
     changed = versions(learning_rate=5e-4)
     assert all(changed[k] != base[k] for k in base)
     assert set(GRPOConfig.EXECUTION_FIELDS) <= {f.name for f in dataclasses.fields(GRPOConfig)}
+
+
+def test_task_pool_visits_every_task_once_per_epoch_in_a_seeded_shuffled_order():
+    from trace_assets.envs import get_environment
+    from trace_assets.envs.splits import TaskPoolEnv, make_splits
+
+    retail = get_environment("retail")
+    train = make_splits(retail, demo_per_family=0, train_per_family=4, test_per_family=0, seed=0)["train"]
+    pool = TaskPoolEnv(retail, train, seed=0)
+    n = len(train)
+    epoch0 = pool.sample_tasks(n, offset=0)
+    epoch1 = pool.sample_tasks(n, offset=n)
+    ids = [t.task_id for t in train]
+    assert sorted(t.task_id for t in epoch0) == sorted(ids) == sorted(t.task_id for t in epoch1)
+    assert [t.task_id for t in epoch0] != ids and epoch0 != epoch1  # shuffled, anew each epoch
+    # an iteration of G = 4 draws several families, not the one the pool happens to list first
+    assert len({t.family for t in pool.sample_tasks(4, offset=0)}) > 1
+    assert pool.sample_tasks(5, offset=3) == epoch0[3:8]  # positions of one stream, whatever the call
+    assert TaskPoolEnv(retail, train, seed=0).sample_tasks(n) == epoch0
+    assert TaskPoolEnv(retail, train, seed=1).sample_tasks(n) != epoch0

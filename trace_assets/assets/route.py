@@ -42,13 +42,18 @@ def current_adapters(selected: dict, adapters: dict[str, dict]) -> dict[str, dic
     return {name: adapters[name] for name in selected["names"] if name in adapters}
 
 
+BASELINE_VERSION = "task-pool-shuffled-per-epoch"
+"""Bumped when the baseline's recipe changes outside ``GRPOConfig`` (it was trained on the pool in
+family order until 2026-11-30: whole iterations on one family)."""
+
+
 def build_route_assets(settings: Settings) -> list:
     route_cfg, roll_cfg = settings.route, settings.rollout
     grpo_config = settings.train.config()
 
     @asset(
         group_name=GROUP, pool="train", kinds={"pytorch", "mlflow"},
-        code_version=stable_hash(grpo_config.identity()),
+        code_version=stable_hash([grpo_config.identity(), BASELINE_VERSION]),
         ins={"lora_adapter": AssetIn(partition_mapping=ALL, metadata=EVERY_TRAINED),
              "synthetic_env": AssetIn(partition_mapping=ALL, metadata=EVERY_TRAINED)},
     )
@@ -72,8 +77,9 @@ def build_route_assets(settings: Settings) -> list:
                           "environment fail its check?), so there is no TRACE to compare with")
         iterations = max(1, math.ceil(budget / per_iteration))
         config = replace(grpo_config, iterations=iterations)
-        env = TaskPoolEnv(get_environment(settings.tasks.env), tasks_of(task_splits, "train") + tasks_of(task_splits, "demo"))
-        key = stable_hash([base_agent.get("checksum") or base_agent["path"], config.identity(), [t.task_id for t in env.tasks]])
+        env = TaskPoolEnv(get_environment(settings.tasks.env), tasks_of(task_splits, "train") + tasks_of(task_splits, "demo"),
+                          seed=grpo_config.seed)
+        key = stable_hash([base_agent.get("checksum") or base_agent["path"], config.identity(), [t.task_id for t in env.tasks], BASELINE_VERSION])
         out_dir = paths.sub("adapters", "_grpo_target", key)
         manifest = out_dir / "trace_adapter.json"
         if manifest.exists():

@@ -34,17 +34,25 @@ def make_splits(env: Environment, *, demo_per_family: int, train_per_family: int
 class TaskPoolEnv:
     """A target environment restricted to a fixed list of tasks, for GRPO on the target itself.
 
-    ``sample_tasks(n, offset)`` cycles through ``tasks`` from ``offset``; everything else is the
-    wrapped environment's.
+    ``sample_tasks(n, offset)`` reads positions ``offset .. offset + n - 1`` of an endless stream
+    that visits every task once per epoch, in a fresh order each epoch seeded by ``seed`` (a
+    shuffling sampler, as TRL's: consecutive iterations never see one family only). Same
+    ``seed`` and offset, same tasks. Everything else is the wrapped environment's.
     """
 
-    def __init__(self, env: Environment, tasks: list[Task]) -> None:
+    def __init__(self, env: Environment, tasks: list[Task], *, seed: int = 0) -> None:
         if not tasks:
             raise ValueError("TaskPoolEnv needs at least one task")
-        self.env, self.tasks, self.name = env, list(tasks), env.name
+        self.env, self.tasks, self.name, self.seed = env, list(tasks), env.name, seed
+        self._orders: dict[int, list[int]] = {}
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            self._orders[epoch] = random.Random(f"{self.seed}:pool-epoch:{epoch}").sample(range(len(self.tasks)), len(self.tasks))
+        return self._orders[epoch]
 
     def sample_tasks(self, n: int, *, offset: int = 0) -> list[Task]:
-        return [self.tasks[(offset + i) % len(self.tasks)] for i in range(n)]
+        return [self.tasks[self._order(k // len(self.tasks))[k % len(self.tasks)]] for k in range(offset, offset + n)]
 
     def __getattr__(self, attr: str):  # tool_schemas, system_prompt, families, make_task, start
         return getattr(self.env, attr)

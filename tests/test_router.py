@@ -12,6 +12,7 @@ from trace_assets.route.report import (
     confusion_matrix,
     oracle_choice,
     oracle_rewards,
+    paired_comparison,
     plot_success_by_system,
     plot_success_vs_rollouts,
     routed_rewards,
@@ -219,6 +220,20 @@ def test_accuracy_confusion_oracle_attribution():
     assert routed_rewards(decisions + ["b"], rewards) == [1.0, 0.0, 0.9, 0.7]
     attr = attribution(rewards[None], {"a": rewards["a"], "b": rewards["b"]}, task_ids=["t0", "t1", "t2", "t3"])
     assert attr == {"a": {"fixed": ["t1"], "broke": []}, "b": {"fixed": ["t1"], "broke": ["t0"]}}
+
+
+def test_paired_comparison_is_an_exact_sign_test_on_discordant_tasks():
+    # wins on tasks 0, 1; loss on task 3; task 2 both succeed, task 4 both fail
+    result = paired_comparison([1.0, 1.0, 1.0, 0.0, 0.0], [0.0, 0.5, 1.0, 1.0, 0.0])
+    assert (result["wins"], result["losses"]) == (2, 1)
+    assert result["delta"] == pytest.approx(1 / 5)
+    assert result["p_value"] == pytest.approx(1.0)  # 2 x P(X <= 1 | n=3) = 2 x 4/8, capped at 1
+    six_nil = paired_comparison([1.0] * 6 + [0.0] * 4, [0.0] * 10)
+    assert six_nil["p_value"] == pytest.approx(2 / 64)  # 2 x 0.5^6
+    assert paired_comparison([1.0, 0.0], [1.0, 0.0])["p_value"] == 1.0  # nothing discordant
+    assert paired_comparison([0.0] * 10, [1.0] * 10)["p_value"] == pytest.approx(2 / 1024)  # symmetric
+    with pytest.raises(ValueError, match="same tasks"):
+        paired_comparison([1.0], [1.0, 0.0])
 
 
 def test_success_table_and_plots():

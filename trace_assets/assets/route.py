@@ -207,7 +207,7 @@ def build_route_assets(settings: Settings) -> list:
         context.log.info(f"router selection (train-side held-out prompts):\n{to_markdown(table)}")
         return table
 
-    @asset(group_name=GROUP, kinds={"mlflow", "python"}, code_version=stable_hash([route_cfg.__dict__, roll_cfg.__dict__]),
+    @asset(group_name=GROUP, kinds={"mlflow", "python"}, code_version=stable_hash([route_cfg.__dict__, roll_cfg.__dict__, "report-v2-paired-tests"]),
            ins={"lora_adapter": AssetIn(partition_mapping=ALL, metadata=EVERY_TRAINED)})
     def router_eval(
         context: AssetExecutionContext, models: ModelResource, store: TraceStore, mlflow: MlflowRegistry,
@@ -215,6 +215,8 @@ def build_route_assets(settings: Settings) -> list:
         selected_capabilities: dict,
     ) -> Output[dict[str, Any]]:
         """Held-out test evaluation of every system on the same tasks, and the results report."""
+        import polars as pl
+
         from trace_assets.route.evaluation import evaluate_systems
 
         report = evaluate_systems(
@@ -233,6 +235,7 @@ def build_route_assets(settings: Settings) -> list:
             "systems": MetadataValue.md(to_markdown(report["systems"])),
             "routing": MetadataValue.md(to_markdown(report["routing"])),
             "confusion": MetadataValue.md(to_markdown(report["confusion"])),
+            "paired": MetadataValue.md(to_markdown(pl.DataFrame(report["paired"]))) if report["paired"] else "none",
             "attribution": MetadataValue.json(report["attribution"]),
             "rollouts_spent": MetadataValue.json(report["rollouts_spent"]),
         }

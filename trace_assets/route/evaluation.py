@@ -81,7 +81,7 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
     from trace_assets.route.compose import AdapterBank, plan_groups
     from trace_assets.route.report import (
         attribution, confusion_matrix, oracle_choice, oracle_rewards, plot_success_by_system,
-        plot_success_vs_rollouts, routed_rewards, routing_accuracy, success_table,
+        paired_comparison, plot_success_vs_rollouts, routed_rewards, routing_accuracy, success_table,
     )
     from trace_assets.route.router import first_user_prompt
 
@@ -189,12 +189,21 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
         curves["GRPO on target"] = [(0, base_success), (grpo_baseline["rollouts"], baseline_success)]
     pngs["success_vs_rollouts"] = plot_success_vs_rollouts(curves)
 
+    # TRACE routed against every other system, task by task: is the difference more than noise?
+    paired_rows = [{"vs": "base" if other is None else other, **paired_comparison(systems["trace_routed"], rewards)}
+                   for other, rewards in systems.items() if other != "trace_routed"] if "trace_routed" in systems else []
+    paired = pl.DataFrame(paired_rows) if paired_rows else pl.DataFrame({"vs": []})
+
     metrics = {f"success_{r['system']}": r["success_rate"] for r in table.to_dicts()}
+    metrics.update({f"p_trace_vs_{r['vs']}": r["p_value"] for r in paired_rows})
     metrics.update({f"reward_{r['system']}": r["mean_reward"] for r in table.to_dicts()})
     metrics.update({f"routing_accuracy_{r['router']}": r["accuracy_vs_oracle"] for r in routing_rows})
     markdown = "\n\n".join([
         f"## TRACE results on the held-out test split ({len(tasks)} tasks, greedy, ≤{config.max_steps} steps)",
         to_markdown(table),
+        "### TRACE routed against each system, on the same tasks\n\nwins: tasks TRACE solves and the "
+        "other does not; losses: the reverse; p_value: exact two-sided McNemar (sign) test on those tasks.",
+        to_markdown(paired) if paired_rows else "_no routed system_",
         "### Success rate by task family", to_markdown(by_family),
         f"### Routing (target = the oracle's choice; configured router: `{chosen}`)", to_markdown(routing) if routing_rows else "_no routers_",
         "### Router selection (how the default was chosen: accuracy on TRAIN-side held-out prompts, never test)",
@@ -209,6 +218,7 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
         + f"; evaluation rollouts: {json.dumps(eval_rollouts)}",
     ])
     return {"systems": table, "by_family": by_family.to_dicts(), "routing": routing, "confusion": confusion,
+            "paired": paired_rows,
             "attribution": attributed, "rollouts_spent": {**spent, "evaluation": eval_rollouts}, "metrics": metrics,
             "markdown": markdown, "pngs": pngs, "task_ids": ids,
             "decisions": {k: [d.label for d in v] for k, v in decisions.items()}, "oracle_target": [t or "base" for t in target]}

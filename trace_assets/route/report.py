@@ -15,6 +15,7 @@ succeeds when its reward is ``>= success_threshold`` (default 1.0, the tau2-benc
 from __future__ import annotations
 
 import io
+import math
 from typing import Any, Mapping, Sequence
 
 import polars as pl
@@ -127,6 +128,23 @@ def attribution(base_rewards: Sequence[float], adapter_rewards: Mapping[str, Seq
                 broke.append(tid)
         out[name] = {"fixed": fixed, "broke": broke}
     return out
+
+
+def paired_comparison(a: Sequence[float], b: Sequence[float], *, success_threshold: float = 1.0) -> dict[str, Any]:
+    """System ``a`` against system ``b`` on the same tasks: ``wins`` (a succeeds where b fails),
+    ``losses`` (the reverse), ``delta`` (success-rate difference) and ``p_value``, the exact
+    two-sided McNemar (sign) test on the discordant tasks: how likely a split at least this uneven
+    is when neither system is better. 1.0 when no task is discordant."""
+    if len(a) != len(b):
+        raise ValueError(f"paired comparison needs the same tasks: {len(a)} vs {len(b)} rewards")
+    ok_a = [float(x) >= success_threshold for x in a]
+    ok_b = [float(x) >= success_threshold for x in b]
+    wins = sum(x and not y for x, y in zip(ok_a, ok_b))
+    losses = sum(y and not x for x, y in zip(ok_a, ok_b))
+    n = wins + losses
+    tail = sum(math.comb(n, i) for i in range(min(wins, losses) + 1)) / 2**n if n else 1.0
+    return {"wins": wins, "losses": losses, "delta": (wins - losses) / len(a) if len(a) else 0.0,
+            "p_value": min(1.0, 2 * tail)}
 
 
 def success_table(per_system_rewards: Mapping[str | None, Sequence[float]], *, success_threshold: float = 1.0,

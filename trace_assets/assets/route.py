@@ -63,12 +63,13 @@ def build_route_assets(settings: Settings) -> list:
     ) -> Output[dict[str, Any]]:
         """One LoRA trained by the same GRPO directly on the target's train tasks, at equal rollouts."""
         from trace_assets.envs.splits import TaskPoolEnv
+        from trace_assets.route.evaluation import adapter_rollouts
         from trace_assets.train.grpo import GRPOError, GRPOTrainer
 
         adapters = current_adapters(selected_capabilities, lora_adapter)
         # TRACE's whole spend: every adapter's GRPO and calibration rollouts, plus the calibration
         # rollouts of C* capabilities whose environment failed its check (spent, but no adapter).
-        budget = sum(a["rollouts"] + a.get("calibration_rollouts", 0) for a in adapters.values()) + sum(
+        budget = sum(map(adapter_rollouts, adapters.values())) + sum(
             synthetic_env[n].get("calibration_rollouts", 0) for n in selected_capabilities["names"]
             if n not in adapters and n in synthetic_env)
         per_iteration = grpo_config.groups * grpo_config.samples_per_group
@@ -198,9 +199,10 @@ def build_route_assets(settings: Settings) -> list:
         labels += [None] * len(held_out_base)
         model, tokenizer = models.load(base_agent["path"])
         decisions = build_routers(settings, model, tokenizer, value, value["candidates"], prompts, context.log.info)
+        n_capability = len(prompts) - len(held_out_base)
         rows = [{"router": name, "accuracy": routing_accuracy(ds, labels),
-                 "accuracy_capability_prompts": routing_accuracy(ds[: len(prompts) - len(held_out_base)], labels[: len(prompts) - len(held_out_base)]),
-                 "accuracy_base_prompts": routing_accuracy(ds[len(prompts) - len(held_out_base):], labels[len(prompts) - len(held_out_base):])
+                 "accuracy_capability_prompts": routing_accuracy(ds[:n_capability], labels[:n_capability]),
+                 "accuracy_base_prompts": routing_accuracy(ds[n_capability:], labels[n_capability:])
                  if held_out_base else None, "prompts": len(prompts)}
                 for name, ds in decisions.items()]
         table = pl.DataFrame(rows).sort("accuracy", descending=True)
@@ -215,8 +217,6 @@ def build_route_assets(settings: Settings) -> list:
         selected_capabilities: dict,
     ) -> Output[dict[str, Any]]:
         """Held-out test evaluation of every system on the same tasks, and the results report."""
-        import polars as pl
-
         from trace_assets.route.evaluation import evaluate_systems
 
         report = evaluate_systems(
@@ -235,15 +235,16 @@ def build_route_assets(settings: Settings) -> list:
             "systems": MetadataValue.md(to_markdown(report["systems"])),
             "routing": MetadataValue.md(to_markdown(report["routing"])),
             "confusion": MetadataValue.md(to_markdown(report["confusion"])),
-            "paired": MetadataValue.md(to_markdown(pl.DataFrame(report["paired"]))) if report["paired"] else "none",
+            "paired": MetadataValue.md(to_markdown(report["paired"])),
             "attribution": MetadataValue.json(report["attribution"]),
             "rollouts_spent": MetadataValue.json(report["rollouts_spent"]),
         }
         for name, png in report["pngs"].items():
             metadata.update(png_metadata(png, name))
         (paths.sub("reports") / "latest_report.md").write_text(report["markdown"])
-        value = {k: v for k, v in report.items() if k not in ("pngs", "systems", "routing", "confusion")}
+        value = {k: v for k, v in report.items() if k not in ("pngs", "systems", "routing", "confusion", "paired")}
         value["systems"] = report["systems"].to_dicts()
+        value["paired"] = report["paired"].to_dicts()
         return Output(value, data_version=DataVersion(stable_hash(value["metrics"])), metadata=metadata)
 
     return [grpo_baseline, router, router_eval]

@@ -52,7 +52,8 @@ class TaskPoolEnv:
         return self._orders[epoch]
 
     def sample_tasks(self, n: int, *, offset: int = 0) -> list[Task]:
-        return [self.tasks[self._order(k // len(self.tasks))[k % len(self.tasks)]] for k in range(offset, offset + n)]
+        size = len(self.tasks)
+        return [self.tasks[self._order(k // size)[k % size]] for k in range(offset, offset + n)]
 
     def __getattr__(self, attr: str):  # tool_schemas, system_prompt, families, make_task, start
         return getattr(self.env, attr)

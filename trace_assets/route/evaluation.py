@@ -34,6 +34,11 @@ def _rollout_config(settings):
                          max_context_tokens=r.max_context_tokens, max_errors=r.max_errors, temperature=0.0, seed=r.seed)
 
 
+def adapter_rollouts(adapter: dict[str, Any]) -> int:
+    """What one TRACE adapter cost in rollouts: its GRPO rollouts plus its environment's calibration."""
+    return adapter["rollouts"] + adapter.get("calibration_rollouts", 0)
+
+
 def build_routers(settings, model, tokenizer, router_value, candidates, first_prompts, log):
     """Decisions of every router we can build here on ``first_prompts``: {router name: [Decision]}.
 
@@ -160,9 +165,9 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
     if grpo_baseline is not None:
         systems[BASELINE] = per_system[BASELINE]
 
-    trace_spent = (grpo_baseline or {}).get("budget_rollouts") or sum(a["rollouts"] + a.get("calibration_rollouts", 0) for a in adapters.values())
+    trace_spent = (grpo_baseline or {}).get("budget_rollouts") or sum(map(adapter_rollouts, adapters.values()))
     spent = {"base": 0, "trace_routed": trace_spent, "trace_soft": trace_spent, "oracle": trace_spent,
-             **({BASELINE: grpo_baseline["rollouts"]} if grpo_baseline is not None else {}), **{n: a["rollouts"] + a.get("calibration_rollouts", 0) for n, a in adapters.items()}}
+             **({BASELINE: grpo_baseline["rollouts"]} if grpo_baseline is not None else {}), **{n: adapter_rollouts(a) for n, a in adapters.items()}}
     table = success_table(systems, rollouts_spent=spent)
     by_family = pl.DataFrame([
         {"system": "base" if s is None else s, "family": f, "reward": r, "success": r >= 1.0}
@@ -218,7 +223,7 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
         + f"; evaluation rollouts: {json.dumps(eval_rollouts)}",
     ])
     return {"systems": table, "by_family": by_family.to_dicts(), "routing": routing, "confusion": confusion,
-            "paired": paired_rows,
+            "paired": paired,
             "attribution": attributed, "rollouts_spent": {**spent, "evaluation": eval_rollouts}, "metrics": metrics,
             "markdown": markdown, "pngs": pngs, "task_ids": ids,
             "decisions": {k: [d.label for d in v] for k, v in decisions.items()}, "oracle_target": [t or "base" for t in target]}

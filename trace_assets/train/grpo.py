@@ -227,12 +227,11 @@ def micro_batches(lengths: Sequence[int], max_sequences: int, max_tokens: int) -
     current: list[int] = []
     widest = 0
     for i, n in enumerate(lengths):
-        width = max(widest, n)
-        if current and (len(current) >= max_sequences or width * (len(current) + 1) > max_tokens):
+        if current and (len(current) >= max_sequences or max(widest, n) * (len(current) + 1) > max_tokens):
             chunks.append(current)
-            current, width = [], n
+            current, widest = [], 0
         current.append(i)
-        widest = width
+        widest = max(widest, n)
     if current:
         chunks.append(current)
     return chunks
@@ -713,9 +712,7 @@ class GRPOTrainer:
             self.save_checkpoint()
         metrics.iter_time_s = time.perf_counter() - start
         self.history[-1] = metrics
-        log.info("GRPO iteration %d: reward %.3f success %.2f loss %.4f clip %.3f grad %.3f gen %.1fs opt %.1fs",
-                 iteration, metrics.mean_reward, metrics.success_rate, metrics.loss, metrics.clip_fraction,
-                 metrics.grad_norm, gen_time, opt_time)
+        log.info("GRPO %s, clip %.3f, grad %.3f", metrics.line(), metrics.clip_fraction, metrics.grad_norm)
         return metrics
 
     def train(self, *, resume: bool = True) -> GRPOResult:

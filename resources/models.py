@@ -32,6 +32,18 @@ class ModelResource(ConfigurableResource):
     vllm_enforce_eager: bool = Field(
         default=False, description="Skip vLLM's torch.compile: faster start (~8 s vs ~70 s), slower decoding.")
     vllm_kv_cache_gb: float = Field(default=4.0, description="vLLM KV cache size in GiB.")
+    vllm_dtype: str = Field(
+        default="auto", description="'auto' (bfloat16 where computed natively, else float32), 'float32' or 'bfloat16'.")
+
+    def resolved_vllm_dtype(self) -> str:
+        """``vllm_dtype`` with ``auto`` resolved for this machine (``agent.lora.bf16_supported``)."""
+        from trace_assets.agent.lora import bf16_supported
+
+        if self.vllm_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"vllm_dtype {self.vllm_dtype!r}: use auto, float32 or bfloat16")
+        if self.vllm_dtype == "auto":
+            return "bfloat16" if bf16_supported() else "float32"
+        return self.vllm_dtype
 
     def resolve(self, source: str | None = None) -> str:
         from trace_assets.agent.model import resolve_model
@@ -68,7 +80,8 @@ class ModelResource(ConfigurableResource):
         path = self.resolve(path)
         if self.generation_backend == "auto" and (path, lora) in _FAILED_ENGINES:
             return None
-        options = VLLMOptions(enforce_eager=self.vllm_enforce_eager, kv_cache_gb=self.vllm_kv_cache_gb, enable_lora=lora)
+        options = VLLMOptions(enforce_eager=self.vllm_enforce_eager, kv_cache_gb=self.vllm_kv_cache_gb, enable_lora=lora,
+                              dtype=self.resolved_vllm_dtype())
         try:
             return VLLMEngine.shared(path, options)
         except Exception as exc:
@@ -127,5 +140,5 @@ class ModelResource(ConfigurableResource):
             import vllm
 
             eager = " eager" if backend.engine.options.enforce_eager else ""
-            return f"vllm {vllm.__version__}{eager} (backend={self.generation_backend})"
+            return f"vllm {vllm.__version__} {backend.engine.options.dtype}{eager} (backend={self.generation_backend})"
         return f"transformers (backend={self.generation_backend})"

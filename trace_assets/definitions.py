@@ -46,7 +46,7 @@ def build_resources(settings: Settings) -> dict:
         "models": ModelResource(
             base_model=settings.base_model, generation_batch_size=settings.rollout.batch_size,
             generation_backend=settings.generation.backend, vllm_enforce_eager=settings.generation.vllm_enforce_eager,
-            vllm_kv_cache_gb=settings.generation.vllm_kv_cache_gb,
+            vllm_kv_cache_gb=settings.generation.vllm_kv_cache_gb, vllm_dtype=settings.generation.vllm_dtype,
         ),
         "store": TraceStore(),
         "analyst": AnalystResource(

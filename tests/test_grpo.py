@@ -319,7 +319,7 @@ def test_config_round_trips_and_profiles_state_their_differences():
     assert grpo.PAPER.learning_rate == 1e-5 and grpo.PAPER.iterations == 40 and grpo.PAPER.temperature == 1.0
     demo = grpo.DEMO
     assert (demo.learning_rate, demo.iterations, demo.groups, demo.samples_per_group, demo.steps_per_iteration,
-            demo.micro_batch_size, demo.max_steps, demo.temperature) == (1e-4, 5, 4, 4, 1, 4, 12, 0.7)
+            demo.micro_batch_size, demo.max_steps, demo.temperature) == (1e-4, 4, 4, 4, 1, 4, 12, 0.7)
     assert demo.lora_r == 16 and demo.beta == 0.0 and demo.epsilon == 0.2
     with pytest.raises(ValueError):
         GRPOConfig(groups=0)

@@ -39,3 +39,32 @@ def test_asset_graph_snapshot():
     assert partitioned == PARTITIONED
     checks = {(c.asset_key.to_user_string(), c.name) for c in graph.asset_check_keys}
     assert checks == CHECKS
+
+
+def test_all_partition_inputs_are_keyed_by_partition_for_one_and_for_many(tmp_path):
+    """Dagster's filesystem IO manager hands an ALL-mapped input over bare when exactly one upstream
+    partition exists (a C* of one capability, the demo's case): Step 4 assets must still see
+    ``{capability: value}``. This once failed the demo's ``grpo_baseline``: "no adapter"."""
+    from dagster import AssetIn, DagsterInstance, DynamicPartitionsDefinition, FilesystemIOManager, asset, materialize
+
+    from trace_assets.assets.route import ALL, EVERY_TRAINED, by_partition
+
+    caps = DynamicPartitionsDefinition(name="caps")
+    seen: list[dict] = []
+
+    @asset(partitions_def=caps)
+    def upstream(context):  # no annotations: this module has `from __future__ import annotations`
+        return {"capability": context.partition_key}
+
+    @asset(ins={"upstream": AssetIn(partition_mapping=ALL, metadata=EVERY_TRAINED)})
+    def downstream(context, upstream):
+        seen.append(by_partition(context, "upstream", upstream))
+
+    instance = DagsterInstance.ephemeral()
+    resources = {"io_manager": FilesystemIOManager(base_dir=str(tmp_path))}
+    for names in (["only_one"], ["only_one", "and_another"]):
+        instance.add_dynamic_partitions("caps", names)
+        for name in names:
+            assert materialize([upstream], partition_key=name, instance=instance, resources=resources).success
+        assert materialize([upstream, downstream], selection=[downstream], instance=instance, resources=resources).success
+        assert seen[-1] == {name: {"capability": name} for name in names}

@@ -37,6 +37,19 @@ EVERY_TRAINED = {"allow_missing_partitions": True}
 with the capabilities that have one and names the others in its report."""
 
 
+def by_partition(context: AssetExecutionContext, name: str, loaded: Any) -> dict[str, Any]:
+    """The ``ALL``-mapped input ``name`` as ``{partition key: value}``, however many partitions exist.
+
+    Dagster's filesystem IO manager (``UPathIOManager.load_partitions``) returns a dict only for two
+    or more upstream partitions: the bare value for exactly one, and None for none (or for a single
+    missing one under ``allow_missing_partitions``). A C* of one capability is the demo's case.
+    """
+    if loaded is None:
+        return {}
+    keys = list(context.asset_partition_keys_for_input(name))
+    return {keys[0]: loaded} if len(keys) == 1 else dict(loaded)
+
+
 def current_adapters(selected: dict, adapters: dict[str, dict]) -> dict[str, dict]:
     """The adapters of capabilities still in C* (a departed one keeps its history, not its route)."""
     return {name: adapters[name] for name in selected["names"] if name in adapters}
@@ -59,13 +72,15 @@ def build_route_assets(settings: Settings) -> list:
     )
     def grpo_baseline(
         context: AssetExecutionContext, models: ModelResource, mlflow: MlflowRegistry,
-        task_splits: dict, base_agent: dict, selected_capabilities: dict, lora_adapter: dict, synthetic_env: dict,
+        task_splits: dict, base_agent: dict, selected_capabilities: dict, lora_adapter: Any, synthetic_env: Any,
     ) -> Output[dict[str, Any]]:
         """One LoRA trained by the same GRPO directly on the target's train tasks, at equal rollouts."""
         from trace_assets.envs.splits import TaskPoolEnv
         from trace_assets.route.evaluation import adapter_rollouts
         from trace_assets.train.grpo import GRPOError, GRPOTrainer
 
+        lora_adapter = by_partition(context, "lora_adapter", lora_adapter)
+        synthetic_env = by_partition(context, "synthetic_env", synthetic_env)
         adapters = current_adapters(selected_capabilities, lora_adapter)
         # TRACE's whole spend: every adapter's GRPO and calibration rollouts, plus the calibration
         # rollouts of C* capabilities whose environment failed its check (spent, but no adapter).
@@ -122,13 +137,15 @@ def build_route_assets(settings: Settings) -> list:
     )
     def router(
         context: AssetExecutionContext, models: ModelResource, store: TraceStore,
-        selected_capabilities: dict, lora_adapter: dict, synthetic_env: dict, trajectory_splits: dict, base_agent: dict,
+        selected_capabilities: dict, lora_adapter: Any, synthetic_env: Any, trajectory_splits: dict, base_agent: dict,
     ) -> Output[dict[str, Any]]:
         """The router over the current C*: candidates, their adapters, and the retrieval index cache."""
         from trace_assets.envs.retail.expert import demonstrate
         from trace_assets.route.router import example_text, first_user_prompt
         from trace_assets.synthesize import SyntheticEnv
 
+        lora_adapter = by_partition(context, "lora_adapter", lora_adapter)
+        synthetic_env = by_partition(context, "synthetic_env", synthetic_env)
         adapters = current_adapters(selected_capabilities, lora_adapter)
         target = get_environment(settings.tasks.env)
         candidates, index = [], {}
@@ -213,12 +230,13 @@ def build_route_assets(settings: Settings) -> list:
            ins={"lora_adapter": AssetIn(partition_mapping=ALL, metadata=EVERY_TRAINED)})
     def router_eval(
         context: AssetExecutionContext, models: ModelResource, store: TraceStore, mlflow: MlflowRegistry,
-        task_splits: dict, base_agent: dict, router: dict, grpo_baseline: dict, lora_adapter: dict,
+        task_splits: dict, base_agent: dict, router: dict, grpo_baseline: dict, lora_adapter: Any,
         selected_capabilities: dict,
     ) -> Output[dict[str, Any]]:
         """Held-out test evaluation of every system on the same tasks, and the results report."""
         from trace_assets.route.evaluation import evaluate_systems
 
+        lora_adapter = by_partition(context, "lora_adapter", lora_adapter)
         report = evaluate_systems(
             settings, models, store, task_splits=task_splits, base_agent=base_agent, router=router,
             grpo_baseline=grpo_baseline, adapters=current_adapters(selected_capabilities, lora_adapter),

@@ -45,7 +45,7 @@ def test_all_partition_inputs_are_keyed_by_partition_for_one_and_for_many(tmp_pa
     """Dagster's filesystem IO manager hands an ALL-mapped input over bare when exactly one upstream
     partition exists (a C* of one capability, the demo's case): Step 4 assets must still see
     ``{capability: value}``. This once failed the demo's ``grpo_baseline``: "no adapter"."""
-    from dagster import AssetIn, DagsterInstance, DynamicPartitionsDefinition, FilesystemIOManager, asset, materialize
+    from dagster import AssetIn, DynamicPartitionsDefinition, FilesystemIOManager, asset, instance_for_test, materialize
 
     from trace_assets.assets.route import ALL, EVERY_TRAINED, by_partition
 
@@ -60,11 +60,12 @@ def test_all_partition_inputs_are_keyed_by_partition_for_one_and_for_many(tmp_pa
     def downstream(context, upstream):
         seen.append(by_partition(context, "upstream", upstream))
 
-    instance = DagsterInstance.ephemeral()
-    resources = {"io_manager": FilesystemIOManager(base_dir=str(tmp_path))}
-    for names in (["only_one"], ["only_one", "and_another"]):
-        instance.add_dynamic_partitions("caps", names)
-        for name in names:
-            assert materialize([upstream], partition_key=name, instance=instance, resources=resources).success
-        assert materialize([upstream, downstream], selection=[downstream], instance=instance, resources=resources).success
-        assert seen[-1] == {name: {"capability": name} for name in names}
+    resources = {"io_manager": FilesystemIOManager(base_dir=str(tmp_path / "io"))}
+    # instance_for_test: telemetry off and nothing written under $DAGSTER_HOME (the repository).
+    with instance_for_test() as instance:
+        for names in (["only_one"], ["only_one", "and_another"]):
+            instance.add_dynamic_partitions("caps", names)
+            for name in names:
+                assert materialize([upstream], partition_key=name, instance=instance, resources=resources).success
+            assert materialize([upstream, downstream], selection=[downstream], instance=instance, resources=resources).success
+            assert seen[-1] == {name: {"capability": name} for name in names}

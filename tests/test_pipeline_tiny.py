@@ -39,7 +39,8 @@ def pipeline(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("TRACE_DATA_DIR", str(home / "data"))
     (home / "dagster").mkdir()
-    instance = DagsterInstance.local_temp(str(home / "dagster"))
+    # Telemetry off: it would write .telemetry/ and logs/ under $DAGSTER_HOME, the repository.
+    instance = DagsterInstance.local_temp(str(home / "dagster"), overrides={"telemetry": {"enabled": False}})
     defs = _defs(TINY)
     runs = _materialize_stale(defs, instance)
     yield defs, instance, runs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import subprocess
 import sys
 
@@ -54,6 +55,10 @@ def test_materialize_foundation_with_tiny_settings(tiny_env):
     assert {r["split"] for r in rows} == {"train", "test"}
     assert len(rows) == len(splits["train"]) + len(splits["test"])
 
+    agent = instance.get_latest_materialization_event(AssetKey("base_agent")).asset_materialization
+    # `trace serve` finds the agent folder here (the IO manager's own "path" is its pickle).
+    assert agent.metadata["model_path"].value == result.output_for_node("base_agent")["path"]
+    assert (Path(agent.metadata["model_path"].value) / "config.json").exists()
     mat = instance.get_latest_materialization_event(AssetKey("base_trajectories")).asset_materialization
     assert "success_by_family" in mat.metadata and "sample_failed_trajectory" in mat.metadata
     # Re-materializing adds no duplicate rows and keeps the same data version.

@@ -329,8 +329,8 @@ def served_base_model() -> str:
 
     event = DagsterInstance.get().get_latest_materialization_event(AssetKey("base_agent"))
     materialization = event.asset_materialization if event else None
-    if materialization and "path" in materialization.metadata:
-        return str(materialization.metadata["path"].value)
+    if materialization and "model_path" in materialization.metadata:
+        return str(materialization.metadata["model_path"].value)
     return resolve_model("demo")
 
 

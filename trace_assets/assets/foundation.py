@@ -103,7 +103,7 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
             return Output(
                 {"path": path, "source": source, "warmstart": None, "checksum": None},
                 data_version=DataVersion(stable_hash([path, source])),
-                metadata={"path": path, "warmstart": "disabled: the base model is used as is"},
+                metadata={"model_path": path, "warmstart": "disabled: the base model is used as is"},
             )
         demo_tasks = tasks_of(task_splits, "demo")
         key = stable_hash([source, warm_identity, [t.task_id for t in demo_tasks]])
@@ -138,7 +138,8 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
             value,
             data_version=DataVersion(value["checksum"][:16]),
             metadata={
-                "path": value["path"], "base_model": source, "checksum": value["checksum"],
+                # Not "path": the IO manager writes its pickle's path under that key, over ours.
+                "model_path": value["path"], "base_model": source, "checksum": value["checksum"],
                 "demos": ws["n_demos"], "epochs": ws["epochs"], "train_time_s": ws["train_time_s"],
                 "bf16_autocast": ws["bf16"], "final_loss": ws["losses"][-1] if ws["losses"] else None,
                 "demo_families": MetadataValue.json(ws["demo_families"]),

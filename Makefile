@@ -56,6 +56,7 @@ serve: models
 
 bench: models
 	$(BIN)/python benchmarks/rollout_throughput.py --model demo --episodes 8
+	$(BIN)/python benchmarks/vllm_dtype.py
 	$(BIN)/python benchmarks/label_stats.py
 
 clean-data:

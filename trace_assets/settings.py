@@ -77,7 +77,7 @@ class GenerationSettings:
     GPU a run lands on. ``backend``: ``auto`` (vLLM when it imports and starts, else transformers),
     ``vllm`` or ``transformers``; in fp32 greedy results agree across backends
     (tests/test_vllm_backend.py). ``vllm_dtype``: ``auto`` (bfloat16 where the CPU or GPU computes
-    it natively, else float32), ``float32`` or ``bfloat16``. bf16 decodes the demo's rollouts ~1.4x
+    it natively, else float32), ``float32`` or ``bfloat16``. bf16 decodes the demo's rollouts 1.24x
     faster on this project's AVX-512-BF16 CPU and shifts greedy tokens at near-ties, as a GPU's
     kernels would. Every rollout asset records the backend and dtype in its metadata."""
 

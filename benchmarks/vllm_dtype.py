@@ -19,11 +19,12 @@ from rich.table import Table
 
 def main() -> None:
     from trace_assets.agent.model import load_tokenizer
-    from trace_assets.agent.rollout import RolloutConfig, run_rollouts
+    from trace_assets.agent.rollout import run_rollouts
     from trace_assets.agent.vllm_backend import VLLMBackend, VLLMEngine, VLLMOptions
     from trace_assets.cli import served_base_model
     from trace_assets.envs import get_environment
     from trace_assets.envs.splits import make_splits
+    from trace_assets.route.evaluation import greedy_rollout_config
     from trace_assets.settings import load_settings
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -38,9 +39,7 @@ def main() -> None:
                         train_per_family=args.per_family or settings.tasks.train_per_family,
                         test_per_family=settings.tasks.test_per_family, seed=settings.tasks.seed)["train"]
     tokenizer = load_tokenizer(path)
-    roll = settings.rollout
-    config = RolloutConfig(max_steps=roll.max_steps, max_new_tokens=roll.max_new_tokens,
-                           max_context_tokens=roll.max_context_tokens, max_errors=roll.max_errors)
+    config = greedy_rollout_config(settings)
     rows = {}
     for dtype in ("float32", "bfloat16"):
         start = time.perf_counter()

@@ -26,7 +26,8 @@ from trace_assets.reporting import to_markdown
 BASELINE = "grpo_target"
 
 
-def _rollout_config(settings):
+def greedy_rollout_config(settings):
+    """The evaluation's episodes: greedy, with the ``[rollout]`` limits (what ``base_trajectories`` plays)."""
     from trace_assets.agent.rollout import RolloutConfig
 
     r = settings.rollout
@@ -94,7 +95,7 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
     tasks = tasks_of(task_splits, "test")
     ids = [t.task_id for t in tasks]
     families = [t.family for t in tasks]
-    config = _rollout_config(settings)
+    config = greedy_rollout_config(settings)
     stored = {r["task_id"]: r for r in store.trajectories(split="test", policy="base")}
     missing = [t for t in tasks if t.task_id not in stored]
 

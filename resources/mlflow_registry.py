@@ -40,7 +40,7 @@ ADAPTER_ARTIFACT = "adapter"
 DEFAULT_ALIASES = ("champion",)
 LATEST = "latest"
 """MLflow reserves this alias: it always means the newest version, and ``resolve`` honours it."""
-ITERATION_METRICS = ("mean_reward", "success_rate", "loss", "clip_fraction", "grad_norm",
+ITERATION_METRICS = ("mean_reward", "success_rate", "loss", "clip_fraction", "grad_norm", "onpolicy_mean_abs", "onpolicy_kl",
                      "gen_time_s", "opt_time_s", "iter_time_s")
 LINEAGE_TAGS = {
     "capability": "trace.capability",
@@ -265,12 +265,19 @@ class MlflowRegistry(ConfigurableResource):
 
     def log_training(self, capability: str, *, adapter_dir: str | Path, params: Mapping[str, Any],
                      history: Sequence[Any], lineage: Mapping[str, Any] | None = None,
-                     aliases: Sequence[str] = DEFAULT_ALIASES) -> RegisteredAdapter:
-        """Run + params + per-iteration metrics + curve + table + adapter + registered version."""
+                     aliases: Sequence[str] = DEFAULT_ALIASES,
+                     metrics: Mapping[str, float] | None = None) -> RegisteredAdapter:
+        """Run + params + per-iteration metrics + curve + table + adapter + registered version.
+
+        The version is registered in every case (lineage); ``aliases`` are moved to it only as
+        given: the promotion gate passes ``()`` for an adapter it does not promote. ``metrics`` are
+        run-level figures (held-out success, fidelity), logged at step 0."""
         run_id = self.start_run(capability, lineage=lineage)
         try:
             self.log_params(run_id, params)
             self.log_history(run_id, history)
+            if metrics:
+                self.log_metrics(run_id, metrics, step=0)
             if history:
                 self.log_training_curve(run_id, history)
             self.log_summary_table(run_id, history)

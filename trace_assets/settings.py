@@ -152,6 +152,9 @@ class TrainSettings:
     profile: str = "demo"
     overrides: dict[str, Any] = field(default_factory=dict)
     eval_tasks: int = 16  # held-out synthetic seeds for reward before/after
+    promotion_alpha: float = 0.05
+    """The promotion gate: ``champion`` only when held-out success beats the base and the null
+    control with a one-sided sign-test p below this (``train.evaluate.promotion``)."""
 
     def config(self):
         from dataclasses import replace as _replace
@@ -181,6 +184,8 @@ class RouteSettings:
     index_prompts: int = 16
     index_offset: int = 500_000  # synthetic seeds for the index: apart from training and evaluation
     soft_top_p: float = 0.9
+    include_unpromoted: bool = False
+    """Route to adapters the promotion gate refused too (they are evaluated alone either way)."""
 
 
 @dataclass(frozen=True)
@@ -228,7 +233,8 @@ TINY = Settings(
     synthesis=SynthesisSettings(calibration_seeds=2, calibration_k=2, max_rounds=1, max_steps=3, band=(0.0, 1.0), min_informative=0.0),
     selection=SelectionSettings(max_selected=0),
     train=TrainSettings(profile="tiny", eval_tasks=2),
-    route=RouteSettings(index_prompts=3),
+    # A random tiny model learns nothing the gate could promote: route to every adapter, for the plumbing.
+    route=RouteSettings(index_prompts=3, include_unpromoted=True),
 )
 PROFILES = {"demo": Settings(), "tiny": TINY}
 

@@ -100,6 +100,10 @@ class GenerationBackend(Protocol):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         """One completion per prompt, in the order of ``prompts``."""
 
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Teacher-forced log-probs of every token after the first (T = 1), through exactly the
+        weights :meth:`generate` uses: ``out[i][t - 1] = log p(sequences[i][t] | sequences[i][:t])``."""
+
 
 class _LogprobRecorder:
     """A logits processor that records the chosen tokens' log-probs without keeping full logits.
@@ -289,6 +293,23 @@ class TransformersBackend:
                 for index, gen in zip(chunk, self._kv_batch(batch, params, prefix_len, kv, rng)):
                     results[index] = gen
         return [r for r in results if r is not None]
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Teacher-forced log-probs, ``out[i][t - 1] = log p(sequences[i][t] | sequences[i][:t])`` for
+        ``t >= 1`` (T = 1), through the model as it is now (active adapters included), in this
+        backend's prefill precision. What adapter-fidelity measurements read."""
+        import torch
+
+        from trace_assets.agent.lora import token_logprobs
+
+        out = []
+        with torch.inference_mode(), self._autocast():
+            for seq in sequences:  # one at a time: the LM head runs on every position
+                ids = torch.tensor([seq], device=self.model.device)
+                target = torch.ones_like(ids)
+                target[0, 0] = 0
+                out.append(token_logprobs(self.model, ids, torch.ones_like(ids), target).float().tolist())
+        return out
 
     def _make_generation(self, ids: list[int], logprobs: list[float]) -> Generation:
         if self.stop_id in ids:  # the stop token closes the turn; nothing after it is kept

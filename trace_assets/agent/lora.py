@@ -110,3 +110,49 @@ def merge_and_save(peft_model: PeftModel, tokenizer: PreTrainedTokenizerBase, fo
     merged.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def null_adapter(adapter_dir: str | Path, out_dir: str | Path, *, seed: int = 0) -> Path:
+    """The null control of a trained adapter: per LoRA layer, random directions with the trained
+    delta's norm. For every wrapped weight, ``A'`` and ``B'`` are standard normal draws (seeded by
+    ``seed`` and the layer's name) and ``B'`` is rescaled so that ``||B'A'||_F = ||BA||_F`` (same
+    scaling, same config). An adapter whose effect on success is no larger than its null's has
+    learned nothing that a perturbation of the same size would not do. Written atomically."""
+    import hashlib
+    import json
+    import shutil
+    import uuid
+
+    from safetensors.torch import load_file, save_file
+
+    from trace_assets.paths import swap_in_folder
+
+    adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
+    weights = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    null: dict[str, torch.Tensor] = {}
+    for key, a in weights.items():
+        if ".lora_A." not in key:
+            if ".lora_B." not in key:
+                null[key] = a.clone()
+            continue
+        b_key = key.replace(".lora_A.", ".lora_B.")
+        b = weights[b_key]
+        digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+        a_new = torch.randn(a.shape, generator=gen, dtype=torch.float32)
+        b_new = torch.randn(b.shape, generator=gen, dtype=torch.float32)
+        target = torch.linalg.matrix_norm(b.float() @ a.float())
+        current = torch.linalg.matrix_norm(b_new @ a_new)
+        b_new = b_new * (target / current) if current > 0 else torch.zeros_like(b_new)
+        null[key], null[b_key] = a_new.to(a.dtype).contiguous(), b_new.to(b.dtype).contiguous()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".tmp-{out_dir.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        save_file(null, str(tmp / "adapter_model.safetensors"))
+        shutil.copy(adapter_dir / "adapter_config.json", tmp / "adapter_config.json")
+        (tmp / "null_control.json").write_text(json.dumps({"null_of": str(adapter_dir), "seed": seed}))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return swap_in_folder(tmp, out_dir)

@@ -313,13 +313,16 @@ def run_rollouts(
     return [live.rollout for live in lives]
 
 
-def trajectory_id(task_id: str, policy: str, seed: int, messages: list[Message]) -> str:
-    payload = "\x1f".join([task_id, policy, str(seed), json.dumps(messages, sort_keys=True, default=str)])
+def trajectory_id(task_id: str, policy: str, seed: int, messages: list[Message], agent_id: str = "") -> str:
+    parts = [task_id, policy, str(seed), json.dumps(messages, sort_keys=True, default=str)]
+    payload = "\x1f".join(parts + ([agent_id] if agent_id else []))
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def rollout_to_record(rollout: Rollout, *, policy: str, source: str, split: str) -> dict[str, Any]:
-    """The trajectory record (see DESIGN's data model) for one rollout."""
+def rollout_to_record(rollout: Rollout, *, policy: str, source: str, split: str, agent_id: str = "") -> dict[str, Any]:
+    """The trajectory record (see DESIGN's data model) for one rollout. ``agent_id`` names the agent
+    that played it (:func:`trace_assets.agent.identity.agent_id`): the same conversation played by
+    another agent (another warm-start, adapter, backend or dtype) is another trajectory."""
     task, result = rollout.task, rollout.result
     info = {
         **result.info,
@@ -332,7 +335,7 @@ def rollout_to_record(rollout: Rollout, *, policy: str, source: str, split: str)
     if rollout.error:
         info["runner_error"] = rollout.error
     return {
-        "trajectory_id": trajectory_id(task.task_id, policy, rollout.seed, rollout.messages),
+        "trajectory_id": trajectory_id(task.task_id, policy, rollout.seed, rollout.messages, agent_id),
         "task_id": task.task_id,
         "env": task.env,
         "split": split,
@@ -343,4 +346,5 @@ def rollout_to_record(rollout: Rollout, *, policy: str, source: str, split: str)
         "info": info,
         "source": source,
         "created_at": datetime.now(timezone.utc).isoformat(),
+        "agent_id": agent_id,
     }

@@ -331,6 +331,20 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ generation
 
+    def _prepare(self, prompts: list[list[int]], adapters: Sequence[str | None] | None, weights: str) -> Any:
+        """Put the weights ``weights`` in place and return the per-prompt ``LoRARequest``s (or None)."""
+        if weights == BASE_WEIGHTS:
+            self.restore_base()
+        elif weights != self.weights_tag:
+            raise RuntimeError(f"the engine holds weights {self.weights_tag!r}, not {weights!r}: push them first")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt")
+        if adapters is not None and len(adapters) != len(prompts):
+            raise ValueError(f"{len(adapters)} adapters for {len(prompts)} prompts")
+        if adapters is None and self._adapters:  # see _base_adapter: "no LoRA" is not safe here
+            adapters = [None] * len(prompts)
+        return [self.adapter(a) for a in adapters] if adapters is not None else None
+
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  adapters: Sequence[str | None] | None = None, *, weights: str = BASE_WEIGHTS) -> list[Generation]:
         """Complete ``prompts``. ``weights``: the tag of the pushed weights this call expects, or
@@ -340,14 +354,7 @@ class VLLMEngine:
 
         if not prompts:
             return []
-        if weights == BASE_WEIGHTS:
-            self.restore_base()
-        elif weights != self.weights_tag:
-            raise RuntimeError(f"the engine holds weights {self.weights_tag!r}, not {weights!r}: push them first")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt")
-        if adapters is not None and len(adapters) != len(prompts):
-            raise ValueError(f"{len(adapters)} adapters for {len(prompts)} prompts")
+        loras = self._prepare(prompts, adapters, weights)
         greedy = params.temperature <= 0
         base_seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         sampling = [
@@ -360,12 +367,34 @@ class VLLMEngine:
             )
             for i in range(len(prompts))
         ]
-        if adapters is None and self._adapters:  # see _base_adapter: "no LoRA" is not safe here
-            adapters = [None] * len(prompts)
-        loras = [self.adapter(a) for a in adapters] if adapters is not None else None
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling,
                                     lora_request=loras, use_tqdm=False)
         return [self._generation(out.outputs[0]) for out in outputs]
+
+    def score(self, sequences: list[list[int]], adapters: Sequence[str | None] | None = None, *,
+              weights: str = BASE_WEIGHTS) -> list[list[float]]:
+        """Teacher-forced log-probs: ``out[i][t - 1] = log p(sequences[i][t] | sequences[i][:t])``
+        for ``t >= 1`` (softmax at T = 1), through exactly the weights and adapters ``generate``
+        would use. vLLM's ``prompt_logprobs``; what adapter-fidelity measurements read."""
+        from vllm import SamplingParams as VSampling
+        from vllm.inputs import TokensPrompt
+
+        if not sequences:
+            return []
+        loras = self._prepare(sequences, adapters, weights)
+        params = VSampling(temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False,
+                           skip_special_tokens=False, seed=0)
+        # Cached KV blocks carry no logits: score from a cold cache so every position is computed.
+        self.llm.reset_prefix_cache()
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params,
+                                    lora_request=loras, use_tqdm=False)
+        scores = []
+        for seq, out in zip(sequences, outputs):
+            entries = out.prompt_logprobs or []
+            scores.append([float(entry[token].logprob) for token, entry in zip(seq[1:], entries[1:])])
+            if len(scores[-1]) != len(seq) - 1:
+                raise RuntimeError(f"vLLM returned {len(scores[-1])} prompt log-probs for {len(seq) - 1} positions")
+        return scores
 
     def _generation(self, completion: Any) -> Generation:
         ids = list(completion.token_ids)
@@ -434,6 +463,16 @@ class VLLMBackend:
         if adapters is None and self.adapter is not None:
             adapters = [self.adapter] * len(prompts)
         return self.engine.generate(prompts, params, adapters)
+
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Teacher-forced log-probs through what :meth:`generate` serves (see :meth:`VLLMEngine.score`)."""
+        if self.peft_model is not None:
+            self._sync()
+            if self.sync == "weights":
+                return self.engine.score(sequences, weights=self.tag)
+        adapters = [self.adapter] * len(sequences) if self.adapter is not None else None
+        return self.engine.score(sequences, adapters)
 
 
 def choose_backend(choice: BackendChoice) -> Literal["vllm", "transformers"]:

@@ -16,13 +16,14 @@ from dagster import (
     AssetExecutionContext,
     AssetsDefinition,
     DataVersion,
+    Failure,
     MetadataValue,
     Output,
     asset,
 )
 
 from resources.models import ModelResource
-from resources.store import TraceStore
+from resources.store import PIPELINE_SOURCE, TraceStore
 from trace_assets import paths
 from trace_assets.envs import get_environment
 from trace_assets.envs.base import Task
@@ -51,6 +52,9 @@ def folder_checksum(folder: Path) -> str:
 
 def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
     task_cfg, warm_cfg, roll_cfg = settings.tasks, settings.warmstart, settings.rollout
+    from trace_assets.agent.identity import planned_generation
+
+    generation = planned_generation(settings.generation)  # a backend or dtype switch re-rolls the base
     # What shapes the warm-started weights; micro-batching only bounds memory.
     warm_identity = {k: v for k, v in warm_cfg.__dict__.items() if k != "micro_batch_size"}
 
@@ -146,7 +150,7 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
             },
         )
 
-    @asset(group_name=GROUP, code_version=settings.section_hash("rollout"), kinds={"duckdb"})
+    @asset(group_name=GROUP, code_version=stable_hash([settings.section_hash("rollout"), generation]), kinds={"duckdb"})
     def base_trajectories(
         context: AssetExecutionContext, models: ModelResource, store: TraceStore, task_splits: dict, base_agent: dict
     ) -> Output[dict[str, Any]]:
@@ -154,7 +158,10 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
 
         Train trajectories feed Step 1; test trajectories are the base row of the final report.
         Rollouts are deterministic at T = 0, so ids repeat and re-materialising adds nothing twice.
+        Every row carries the agent's identity (base checksum, no adapter, backend, dtype): another
+        warm-start or dtype writes new rows beside the old ones, and readers select by ``agent_id``.
         """
+        from trace_assets.agent.identity import agent_id, agent_identity
         from trace_assets.agent.rollout import RolloutConfig, rollout_to_record, run_rollouts
 
         env = get_environment(task_cfg.env)
@@ -164,7 +171,9 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
 
         tokenizer = load_tokenizer(base_agent["path"])
         backend = models.backend_for(base_agent["path"])
-        context.log.info(f"generation backend: {models.backend_label(backend)}")
+        identity = agent_identity(base_agent, backend)
+        agent = agent_id(identity)
+        context.log.info(f"generation backend: {models.backend_label(backend)}; agent {agent} {identity}")
         config = RolloutConfig(
             max_steps=roll_cfg.max_steps, max_new_tokens=roll_cfg.max_new_tokens,
             max_context_tokens=roll_cfg.max_context_tokens, max_errors=roll_cfg.max_errors,
@@ -178,17 +187,19 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
 
         rollouts = run_rollouts(env, tasks, backend, tokenizer, config, progress=progress)
         records = [
-            rollout_to_record(r, policy="base", source="base_rollout", split=split_of[r.task.task_id]) for r in rollouts
+            rollout_to_record(r, policy="base", source=PIPELINE_SOURCE, split=split_of[r.task.task_id], agent_id=agent)
+            for r in rollouts
         ]
         ids = sorted(r["trajectory_id"] for r in records)
         inserted = store.insert_trajectories(records, batch_name=f"base_rollout_{stable_hash(ids, 12)}")
         table = success_by_family(records)
         sample = next((r for r in records if r["split"] == "train" and not r["success"]), records[0])
         return Output(
-            {"trajectory_ids": ids, "n": len(records)},
+            {"trajectory_ids": ids, "n": len(records), "agent_id": agent, "agent": identity},
             data_version=DataVersion(stable_hash(ids)),
             metadata={
                 "episodes": len(records), "new_rows": inserted, "generation_backend": models.backend_label(backend),
+                "agent_id": agent, "agent": MetadataValue.json(identity),
                 "generated_tokens": sum(r.n_generated for r in rollouts),
                 "success_by_family": MetadataValue.md(to_markdown(table)),
                 "sample_failed_trajectory": MetadataValue.md(render_markdown(sample["messages"])),
@@ -196,12 +207,17 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
         )
 
     @asset(group_name=GROUP, kinds={"duckdb"})
-    def trajectory_splits(context: AssetExecutionContext, store: TraceStore, base_trajectories: dict) -> Output[dict[str, list[str]]]:
-        """D+ and D-: the train-split trajectories of the base policy, split by success.
+    def trajectory_splits(context: AssetExecutionContext, store: TraceStore, base_trajectories: dict) -> Output[dict[str, Any]]:
+        """D+ and D-: the train-split trajectories of the base agent, split by success.
 
-        Includes imported user trajectories (policy ``base``, split ``train``). Never reads test.
+        The base agent's own rows (its ``agent_id``, never another warm-start's or dtype's), plus
+        imported user trajectories (policy ``base``, split ``train``, no agent id). Never reads test.
         """
-        records = store.trajectories(split="train", policy="base")
+        if "agent_id" not in base_trajectories:
+            raise Failure("trajectory_splits: base_trajectories was materialized before trajectories carried the "
+                          "identity of their agent; re-materialize base_trajectories (its stored rows stay in DuckDB, "
+                          "new rows are added beside them), then this asset")
+        records = store.agent_trajectories(split="train", agent_id=base_trajectories["agent_id"])
         d_plus = sorted(r["trajectory_id"] for r in records if r["success"])
         d_minus = sorted(r["trajectory_id"] for r in records if not r["success"])
         table = success_by_family(records)
@@ -213,7 +229,7 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
         if sample:
             metadata["sample_failure"] = MetadataValue.md(render_markdown(sample["messages"]))
         return Output(
-            {"d_plus": d_plus, "d_minus": d_minus},
+            {"d_plus": d_plus, "d_minus": d_minus, "agent_id": base_trajectories["agent_id"]},
             data_version=DataVersion(stable_hash([d_plus, d_minus])),
             metadata=metadata,
         )

@@ -55,14 +55,23 @@ def current_adapters(selected: dict, adapters: dict[str, dict]) -> dict[str, dic
     return {name: adapters[name] for name in selected["names"] if name in adapters}
 
 
+def routable_adapters(adapters: dict[str, dict], *, include_unpromoted: bool = False) -> dict[str, dict]:
+    """The adapters the router may choose: those the promotion gate promoted (``lora_adapter``), or
+    all with ``route.include_unpromoted``. Every adapter is still evaluated alone in the report."""
+    return {n: a for n, a in adapters.items() if include_unpromoted or a.get("promoted")}
+
+
 BASELINE_VERSION = "task-pool-shuffled-per-epoch"
 """Bumped when the baseline's recipe changes outside ``GRPOConfig`` (it was trained on the pool in
 family order until 2026-11-30: whole iterations on one family)."""
 
 
 def build_route_assets(settings: Settings) -> list:
+    from trace_assets.agent.identity import planned_generation
+
     route_cfg, roll_cfg = settings.route, settings.rollout
     grpo_config = settings.train.config()
+    generation = planned_generation(settings.generation)  # a backend or dtype switch re-evaluates
 
     @asset(
         group_name=GROUP, pool="train", kinds={"pytorch", "mlflow"},
@@ -146,7 +155,12 @@ def build_route_assets(settings: Settings) -> list:
 
         lora_adapter = by_partition(context, "lora_adapter", lora_adapter)
         synthetic_env = by_partition(context, "synthetic_env", synthetic_env)
-        adapters = current_adapters(selected_capabilities, lora_adapter)
+        trained = current_adapters(selected_capabilities, lora_adapter)
+        adapters = routable_adapters(trained, include_unpromoted=route_cfg.include_unpromoted)
+        refused = {n: (a.get("promotion") or {}).get("reason", "not evaluated by the promotion gate")
+                   for n, a in trained.items() if n not in adapters}
+        for n, reason in refused.items():
+            context.log.warning(f"router: {n} is not routed to: {reason}")
         target = get_environment(settings.tasks.env)
         candidates, index = [], {}
         for name in adapters:
@@ -158,7 +172,7 @@ def build_route_assets(settings: Settings) -> list:
             candidates.append({"name": name, "description": description, "example": example_text(messages)})
         wanted = set(trajectory_splits["d_plus"])
         succeeded = [t["messages"][1]["content"] for t in store.trajectories(split="train", policy="base")
-                     if t["trajectory_id"] in wanted]
+                     if t["trajectory_id"] in wanted]  # D+ ids are the base agent's own (trajectory_splits)
         # Every 4th successful train prompt is held out to measure the routers; the rest is indexed.
         base_prompts = [p for i, p in enumerate(succeeded) if i % 4 != 3][: route_cfg.index_prompts * 2]
         held_out_base = succeeded[3::4]
@@ -182,10 +196,12 @@ def build_route_assets(settings: Settings) -> list:
             "kind": route_cfg.kind, "candidates": candidates, "index_key": index_key,
             "adapters": {n: {"adapter_dir": a["adapter_dir"], "model_version": a["model_version"]} for n, a in adapters.items()},
             "retrieval_state_path": str(paths.sub("router") / f"{index_key}.json") if state else None,
+            "not_routed": refused,
         }
         metadata: dict[str, Any] = {
             "kind": route_cfg.kind, "embedder": route_cfg.embedder, "candidates": MetadataValue.json([c["name"] for c in candidates]),
             "index_key": index_key, "adapters": MetadataValue.json(value["adapters"]),
+            "not_routed": MetadataValue.json(refused),
         }
         if candidates:
             selection = _router_selection(context, models, base_agent, value, target, adapters, synthetic_env, held_out_base)
@@ -194,7 +210,7 @@ def build_route_assets(settings: Settings) -> list:
                 "Routing accuracy on held-out prompts of the TRAIN side (synthetic seeds apart from the index, "
                 f"and {len(held_out_base)} held-out successful train prompts labelled base); never the test split.\n\n"
                 + to_markdown(selection))
-        return Output(value, data_version=DataVersion(stable_hash([value["adapters"], index_key, route_cfg.__dict__, value.get("selection")])),
+        return Output(value, data_version=DataVersion(stable_hash([value["adapters"], index_key, route_cfg.__dict__, value.get("selection"), refused])),
                       metadata=metadata)
 
     def _router_selection(context, models, base_agent, value, target, adapters, synthetic_env, held_out_base):
@@ -226,7 +242,8 @@ def build_route_assets(settings: Settings) -> list:
         context.log.info(f"router selection (train-side held-out prompts):\n{to_markdown(table)}")
         return table
 
-    @asset(group_name=GROUP, kinds={"mlflow", "python"}, code_version=stable_hash([route_cfg.__dict__, roll_cfg.__dict__, "report-v2-paired-tests"]),
+    @asset(group_name=GROUP, kinds={"mlflow", "python"},
+           code_version=stable_hash([route_cfg.__dict__, roll_cfg.__dict__, generation, "report-v3-nulls-fidelity-identity"]),
            ins={"lora_adapter": AssetIn(partition_mapping=ALL, metadata=EVERY_TRAINED)})
     def router_eval(
         context: AssetExecutionContext, models: ModelResource, store: TraceStore, mlflow: MlflowRegistry,
@@ -254,13 +271,19 @@ def build_route_assets(settings: Settings) -> list:
             "routing": MetadataValue.md(to_markdown(report["routing"])),
             "confusion": MetadataValue.md(to_markdown(report["confusion"])),
             "paired": MetadataValue.md(to_markdown(report["paired"])),
+            "null_controls": MetadataValue.md(to_markdown(report["nulls"])),
+            "fidelity": MetadataValue.md(to_markdown(report["fidelity"])),
+            "agent_id": report["agent_id"], "agent": MetadataValue.json(report["agent"]),
             "attribution": MetadataValue.json(report["attribution"]),
             "rollouts_spent": MetadataValue.json(report["rollouts_spent"]),
         }
         for name, png in report["pngs"].items():
             metadata.update(png_metadata(png, name))
         (paths.sub("reports") / "latest_report.md").write_text(report["markdown"])
-        value = {k: v for k, v in report.items() if k not in ("pngs", "systems", "routing", "confusion", "paired")}
+        frames = ("pngs", "systems", "routing", "confusion", "paired", "nulls", "fidelity")
+        value = {k: v for k, v in report.items() if k not in frames}
+        value["nulls"] = report["nulls"].to_dicts()
+        value["fidelity"] = report["fidelity"].to_dicts()
         value["systems"] = report["systems"].to_dicts()
         value["paired"] = report["paired"].to_dicts()
         return Output(value, data_version=DataVersion(stable_hash(value["metrics"])), metadata=metadata)

@@ -13,7 +13,7 @@ from typing import Any
 
 from dagster import AssetExecutionContext, AssetKey, DataVersion, Failure, MetadataValue, Output, asset
 
-from resources.mlflow_registry import MlflowRegistry
+from resources.mlflow_registry import DEFAULT_ALIASES, MlflowRegistry
 from resources.models import ModelResource
 from trace_assets import paths
 from trace_assets.assets.foundation import folder_checksum
@@ -32,23 +32,33 @@ def latest_data_version(context: AssetExecutionContext, key: str) -> str | None:
 
 
 def build_train_assets(settings: Settings) -> list:
+    from trace_assets.agent.identity import planned_generation
+
     train_cfg = settings.train
     grpo_config = train_cfg.config()
+    generation = planned_generation(settings.generation)
 
     @asset(
         group_name=GROUP, partitions_def=capability_partitions, pool="train", kinds={"pytorch", "mlflow"},
-        code_version=stable_hash([grpo_config.identity(), train_cfg.eval_tasks]),
+        code_version=stable_hash([grpo_config.identity(), train_cfg.eval_tasks, train_cfg.promotion_alpha, generation,
+                                  EVALUATION_VERSION]),
         automation_condition=per_capability_automation,
     )
     def lora_adapter(
         context: AssetExecutionContext, models: ModelResource, mlflow: MlflowRegistry,
         synthetic_env: dict, base_agent: dict,
     ) -> Output[dict[str, Any]]:
-        """GRPO on the capability's synthetic environment; the base stays frozen."""
+        """GRPO on the capability's synthetic environment (the base stays frozen), then the held-out
+        evaluation against the base and the null control, the fidelity probe of the path it is
+        evaluated through, and the promotion gate in front of the MLflow alias ``champion``."""
         import polars as pl
 
+        from trace_assets.agent import fidelity
+        from trace_assets.agent.identity import generation_identity
+        from trace_assets.agent.lora import null_adapter
+        from trace_assets.envs.retail.expert import demonstrate
         from trace_assets.synthesize import SyntheticEnv
-        from trace_assets.train.evaluate import EvalConfig, compare_base_and_adapter
+        from trace_assets.train.evaluate import EvalConfig, compare_base_and_adapter, promotion
         from trace_assets.train.grpo import GRPOError, GRPOTrainer
 
         name = context.partition_key
@@ -62,10 +72,14 @@ def build_train_assets(settings: Settings) -> list:
         key = stable_hash([synthetic_env["spec_hash"], base_agent.get("checksum") or base_agent["path"], grpo_config.identity()])
         out_dir = paths.sub("adapters", name, key)
         manifest = out_dir / "trace_adapter.json"
+        evaluation_key = stable_hash([generation, train_cfg.eval_tasks, train_cfg.promotion_alpha, EVALUATION_VERSION])
         if manifest.exists():
             value = json.loads(manifest.read_text())
-            context.log.info(f"Reusing the adapter trained at {out_dir} (same spec, base and config)")
-            return Output(value, data_version=DataVersion(value["adapter_checksum"][:16]), metadata=_metadata(value))
+            if value.get("evaluation_key") == evaluation_key:
+                context.log.info(f"Reusing the adapter trained and evaluated at {out_dir} (same spec, base, config, "
+                                 "generation and gate)")
+                return Output(value, data_version=DataVersion(value["adapter_checksum"][:16]), metadata=_metadata(value))
+            context.log.info(f"{out_dir}: trained, but evaluated under another generation or gate: re-evaluating")
 
         model, tokenizer = models.load(base_agent["path"])
 
@@ -73,23 +87,43 @@ def build_train_assets(settings: Settings) -> list:
         trainer = GRPOTrainer(model, tokenizer, env, grpo_config, out_dir, backend_factory=policy_backends,
                               progress=lambda m: context.log.info(f"[{name}] {m.line()}"))
         try:
-            result = trainer.train()
+            result = trainer.train()  # a finished run resumes at its last checkpoint and only saves
         except GRPOError as exc:
             raise Failure(f"lora_adapter[{name}]: {exc}. Re-materializing resumes from the last checkpoint.") from exc
+
+        # The path every evaluation of this adapter goes through: is its effect intact there?
+        backend = (policy_backends or models.backend)(trainer.model, tokenizer)
+        probe_tasks = env.sample_tasks(2, offset=grpo_config.seed_offset)  # training seeds: train side
+        probe = fidelity.make_probe(tokenizer, [demonstrate(env, t)[0] for t in probe_tasks], env.tool_schemas())
+        try:
+            fid = fidelity.require(fidelity.check_backend(models.backend_label(backend), trainer.model, backend, probe),
+                                   f"lora_adapter[{name}]")
+        except fidelity.FidelityError as exc:
+            raise Failure(str(exc)) from exc
+        context.log.info(f"[{name}] fidelity {fid.line()}")
+        null_dir = null_adapter(result.adapter_dir, out_dir / "null", seed=grpo_config.seed)
         comparison = compare_base_and_adapter(trainer.model, tokenizer, env, EvalConfig(
             n_tasks=train_cfg.eval_tasks, max_steps=grpo_config.max_steps, max_new_tokens=grpo_config.max_new_tokens,
             max_context_tokens=grpo_config.max_context_tokens,
-        ), backend_factory=policy_backends)
+        ), backend_factory=policy_backends, null_dir=null_dir)
+        gate = promotion(comparison, alpha=train_cfg.promotion_alpha)
+        context.log.info(f"[{name}] {gate['reason']}")
         history = result.history
         rollouts = len(history) * grpo_config.groups * grpo_config.samples_per_group
         lineage = {
             "capability": name, "c_star_version": latest_data_version(context, "selected_capabilities"),
             "envspec_hash": synthetic_env["spec_hash"], "base_model": f"{models.base_model}@{base_agent.get('checksum') or base_agent['path']}",
-            "dagster_run_id": context.run_id,
+            "dagster_run_id": context.run_id, "promoted": gate["promoted"], "promotion_reason": gate["reason"],
         }
         registered = mlflow.log_training(
             name, adapter_dir=result.adapter_dir, history=history, lineage=lineage,
             params={**grpo_config.to_dict(), "capability": name, "train_profile": train_cfg.profile},
+            aliases=DEFAULT_ALIASES if gate["promoted"] else (),
+            metrics={"heldout_success_base": comparison["base"].success_rate,
+                     "heldout_success_adapter": comparison["adapter"].success_rate,
+                     "heldout_success_null": comparison["null"].success_rate,
+                     "fidelity_correlation": fid.correlation, "fidelity_rel_error": fid.rel_rms_error,
+                     "promoted": float(gate["promoted"])},
         )
         curve = pl.DataFrame([m.to_dict() if hasattr(m, "to_dict") else dict(m.__dict__) for m in history])
         value = {
@@ -98,6 +132,9 @@ def build_train_assets(settings: Settings) -> list:
             "aliases": list(registered.aliases), "lineage": lineage, "train_profile": train_cfg.profile,
             "rollouts": rollouts, "calibration_rollouts": synthetic_env.get("calibration_rollouts", 0),
             "reward_before": comparison["base"].to_dict(), "reward_after": comparison["adapter"].to_dict(),
+            "null": comparison["null"].to_dict(), "null_dir": str(null_dir),
+            "promotion": gate, "promoted": gate["promoted"], "fidelity": fid.to_dict(),
+            "generation": generation_identity(backend), "evaluation_key": evaluation_key,
             "iterations": len(history),
             "time_per_iteration": {
                 "gen_s": round(sum(m.gen_time_s for m in history) / max(len(history), 1), 1),
@@ -105,12 +142,23 @@ def build_train_assets(settings: Settings) -> list:
             },
             "curve": curve.to_dicts(),
         }
-        tmp = manifest.with_suffix(".tmp")
+        tmp = manifest.with_name(f".{manifest.name}.tmp-{context.run_id[:8]}")
         tmp.write_text(json.dumps(value, indent=2, default=str))
         tmp.replace(manifest)
-        return Output(value, data_version=DataVersion(value["adapter_checksum"][:16]), metadata=_metadata(value))
+        return Output(value, data_version=DataVersion(stable_hash([value["adapter_checksum"], gate["promoted"]])),
+                      metadata=_metadata(value))
 
     return [lora_adapter]
+
+
+EVALUATION_VERSION = "null-control-fidelity-promotion-v1"
+"""Bumped when the held-out evaluation or the promotion gate changes outside the settings."""
+
+
+def fidelity_line(report: dict[str, Any]) -> str:
+    from trace_assets.agent.fidelity import FidelityReport
+
+    return FidelityReport(**report).line()
 
 
 def _metadata(value: dict[str, Any]) -> dict[str, Any]:
@@ -127,6 +175,11 @@ def _metadata(value: dict[str, Any]) -> dict[str, Any]:
         "base_model": value["lineage"]["base_model"], "rollouts": value["rollouts"], "iterations": value["iterations"],
         "reward_before": before["mean_reward"], "reward_after": after["mean_reward"],
         "success_before": before["success_rate"], "success_after": after["success_rate"],
+        "success_null": (value.get("null") or {}).get("success_rate"),
+        "promoted": bool(value.get("promoted")),
+        "promotion_reason": (value.get("promotion") or {}).get("reason", "not evaluated by the promotion gate"),
+        "fidelity": (fidelity_line(value["fidelity"]) if value.get("fidelity") else "not measured"),
+        "generation": MetadataValue.json(value.get("generation") or {}),
         "time_per_iteration": MetadataValue.json(value["time_per_iteration"]),
         "adapter_dir": MetadataValue.path(value["adapter_dir"]),
     }

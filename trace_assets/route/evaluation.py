@@ -2,12 +2,19 @@
 
 Contract of :func:`evaluate_systems`: greedy decoding on the ``test`` split only (never used by
 Step 1), at most ``settings.rollout.max_steps`` steps. Systems: ``base`` (the base agent's test
-trajectories already stored by ``base_trajectories``, same greedy config), every single adapter on
-every task, ``trace_routed`` (the configured router's argmax choice), ``trace_soft`` (top-p
-composition), ``oracle`` (best adapter per task in hindsight, an upper bound) and ``grpo_target``
-(the equal-rollout baseline). Routed, oracle and routing-accuracy rows reuse the single-adapter
-rollouts: greedy decoding makes a routed episode identical to the same adapter's episode, so only
-soft compositions that really mix adapters cost new rollouts.
+trajectories stored by ``base_trajectories`` under the identity of the agent this evaluation
+decodes with, same greedy config; played and stored here when missing), every single adapter on
+every task, each adapter's null control (``null:<name>``: random directions with its per-layer
+norms), ``trace_routed`` (the configured router's argmax choice among promoted adapters),
+``trace_soft`` (top-p composition), ``oracle`` (best adapter per task in hindsight, an upper bound)
+and ``grpo_target`` (the equal-rollout baseline). Routed, oracle and routing-accuracy rows reuse the
+single-adapter rollouts: greedy decoding makes a routed episode identical to the same adapter's
+episode, so only soft compositions that really mix adapters cost new rollouts.
+
+Before an adapter (or a soft composition) is evaluated, a fidelity probe checks that its effect
+survives the path it is evaluated through (``agent.fidelity``: log-prob shifts against PEFT fp32 on
+the base agent's own train-side conversations); a path that fails stops the evaluation. Every
+system runs on the same engine, hence in the same dtype.
 """
 
 from __future__ import annotations
@@ -22,8 +29,12 @@ import polars as pl
 from trace_assets.assets.foundation import tasks_of
 from trace_assets.envs import get_environment
 from trace_assets.reporting import to_markdown
+from trace_assets.settings import stable_hash
 
 BASELINE = "grpo_target"
+NULL_PREFIX = "null:"
+"""Null-control systems are named ``null:<adapter>`` (``:`` is never part of a capability name)."""
+PROBE_CONVERSATIONS = 4
 
 
 def greedy_rollout_config(settings):
@@ -91,27 +102,53 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
     )
     from trace_assets.route.router import first_user_prompt
 
+    from trace_assets.agent import fidelity
+    from trace_assets.agent.identity import agent_id, agent_identity
+    from trace_assets.agent.rollout import rollout_to_record
+    from resources.store import PIPELINE_SOURCE
+
     env = get_environment(settings.tasks.env)
     tasks = tasks_of(task_splits, "test")
     ids = [t.task_id for t in tasks]
     families = [t.family for t in tasks]
     config = greedy_rollout_config(settings)
-    stored = {r["task_id"]: r for r in store.trajectories(split="test", policy="base")}
-    missing = [t for t in tasks if t.task_id not in stored]
 
     model, tokenizer = models.load(base_agent["path"])
-    engine = models.vllm_engine(base_agent["path"], lora=True)
-    if missing:  # e.g. a test split extended since base_trajectories ran
-        log(f"running the base on {len(missing)} test tasks without stored trajectories")
-        for rollout in run_rollouts(env, missing, models.backend_for(base_agent["path"], model, tokenizer), tokenizer, config):
-            stored[rollout.task.task_id] = {"reward": rollout.result.reward, "success": rollout.result.success}
+    base_backend = models.backend_for(base_agent["path"], model, tokenizer)
+    identity = agent_identity(base_agent, base_backend)
+    base_id = agent_id(identity)
+    log(f"base agent {base_id} {identity}")
+    stored = {r["task_id"]: r for r in store.agent_trajectories(split="test", agent_id=base_id, imported=False)}
+    missing = [t for t in tasks if t.task_id not in stored]
+    if missing:  # a test split extended, or another backend or dtype than base_trajectories ran
+        log(f"running the base agent {base_id} on {len(missing)} test tasks without its stored trajectories")
+        records = [rollout_to_record(r, policy="base", source=PIPELINE_SOURCE, split="test", agent_id=base_id)
+                   for r in run_rollouts(env, missing, base_backend, tokenizer, config)]
+        store.insert_trajectories(records, batch_name=f"base_rollout_{base_id}_{stable_hash(sorted(r['trajectory_id'] for r in records), 12)}")
+        stored.update({r["task_id"]: r for r in records})
     per_system: dict[str | None, list[float]] = {None: [float(stored[i]["reward"]) for i in ids]}
     success: dict[str | None, list[bool]] = {None: [bool(stored[i]["success"]) for i in ids]}
+    engine = models.vllm_engine(base_agent["path"], lora=True)
 
     bank_paths = {name: a["adapter_dir"] for name, a in adapters.items()}
+    bank_paths.update({f"{NULL_PREFIX}{name}": a["null_dir"] for name, a in adapters.items() if a.get("null_dir")})
     if grpo_baseline is not None:
         bank_paths[BASELINE] = grpo_baseline["adapter_dir"]
     bank = AdapterBank(model, bank_paths)
+    conversations = [r["messages"] for r in store.agent_trajectories(split="train", agent_id=base_id)[:PROBE_CONVERSATIONS]]
+    probe = fidelity.make_probe(tokenizer, conversations, env.tool_schemas()) if conversations else None
+    fidelity_rows: list[dict[str, Any]] = []
+
+    def check(name: str, active: Any, backend: Any) -> None:
+        """The fidelity probe of one system's path, before it is evaluated (module docstring)."""
+        if probe is None:
+            log(f"{name}: no train-side conversations of the base agent to probe fidelity with")
+            return
+        report = fidelity.check_backend(models.backend_label(backend), active, backend, probe)
+        fidelity_rows.append({"system": name, **report.to_dict(), "passed": report.passed()})
+        log(f"fidelity {name}: {report.line()}")
+        fidelity.require(report, f"router_eval: {name}")
+
     eval_rollouts = {"base": 0}
     if engine is not None:  # every adapter on every task in ONE engine: batches mix LoRA requests
         from trace_assets.agent.vllm_backend import VLLMBackend
@@ -119,6 +156,9 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
         for name, folder in bank_paths.items():
             engine.register_adapter(name, folder)
         names = list(bank_paths)
+        for name in names:
+            with bank.use(name) as active:
+                check(name, active, VLLMBackend(engine, adapter=name))
         log(f"evaluating {len(names)} adapters on {len(tasks)} test tasks in one vLLM batch (mixed LoRA requests)")
         rollouts = run_rollouts(env, [t for _ in names for t in tasks], VLLMBackend(engine), tokenizer, config,
                                 adapters=[n for n in names for _ in tasks])
@@ -130,12 +170,15 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
     else:  # one system at a time; with vLLM its merged weights are pushed into the base engine
         for name in bank_paths:
             with bank.use(name) as active:
+                backend = models.peft_backend(base_agent["path"], active, tokenizer)
+                check(name, active, backend)
                 log(f"evaluating {name} on {len(tasks)} test tasks")
-                rollouts = run_rollouts(env, tasks, models.peft_backend(base_agent["path"], active, tokenizer), tokenizer, config)
+                rollouts = run_rollouts(env, tasks, backend, tokenizer, config)
             per_system[name] = [r.result.reward for r in rollouts]
             success[name] = [r.result.success for r in rollouts]
             eval_rollouts[name] = len(rollouts)
-    singles = {k: v for k, v in per_system.items() if k != BASELINE}
+    nulls = {k[len(NULL_PREFIX):]: v for k, v in per_system.items() if k and k.startswith(NULL_PREFIX)}
+    singles = {k: v for k, v in per_system.items() if k != BASELINE and not (k and k.startswith(NULL_PREFIX))}
 
     first_prompts = [first_user_prompt(env, t) for t in tasks]
     with bank.use(None) as base_model:
@@ -155,6 +198,7 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
                 continue
             with bank.composed(group.weights) as mixed:
                 backend = models.peft_backend(base_agent["path"], mixed, tokenizer)
+                check("soft " + " + ".join(f"{v:.2f} {k}" for k, v in sorted(group.weights.items())), mixed, backend)
                 rollouts = run_rollouts(env, [tasks[i] for i in group.indices], backend, tokenizer, config)
             eval_rollouts["trace_soft"] = eval_rollouts.get("trace_soft", 0) + len(rollouts)
             for i, rollout in zip(group.indices, rollouts):
@@ -162,6 +206,8 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
         systems["trace_soft"] = soft
     for name in adapters:
         systems[name] = per_system[name]
+        if name in nulls:
+            systems[f"{NULL_PREFIX}{name}"] = nulls[name]
     systems["oracle"] = oracle_rewards(singles)
     if grpo_baseline is not None:
         systems[BASELINE] = per_system[BASELINE]
@@ -199,17 +245,39 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
     paired_rows = [{"vs": "base" if other is None else other, **paired_comparison(systems["trace_routed"], rewards)}
                    for other, rewards in systems.items() if other != "trace_routed"] if "trace_routed" in systems else []
     paired = pl.DataFrame(paired_rows) if paired_rows else pl.DataFrame({"vs": []})
+    null_rows = [{"adapter": n, "success": sum(r >= 1.0 for r in per_system[n]) / len(ids),
+                  "null_success": sum(r >= 1.0 for r in nulls[n]) / len(ids),
+                  **{f"vs_null_{k}": v for k, v in paired_comparison(per_system[n], nulls[n]).items()},
+                  "promoted": bool(adapters[n].get("promoted")),
+                  "gate (held-out synthetic seeds)": (adapters[n].get("promotion") or {}).get("reason", "—")}
+                 for n in adapters if n in nulls]
+    null_table = pl.DataFrame(null_rows) if null_rows else pl.DataFrame({"adapter": []})
+    fidelity_table = (pl.DataFrame(fidelity_rows).select("system", "path", "n_tokens", "correlation", "rel_rms_error",
+                                                         "max_abs_error", "mean_shift_ref", "mean_shift_path", "passed")
+                      if fidelity_rows else pl.DataFrame({"system": []}))
 
     metrics = {f"success_{r['system']}": r["success_rate"] for r in table.to_dicts()}
     metrics.update({f"p_trace_vs_{r['vs']}": r["p_value"] for r in paired_rows})
     metrics.update({f"reward_{r['system']}": r["mean_reward"] for r in table.to_dicts()})
     metrics.update({f"routing_accuracy_{r['router']}": r["accuracy_vs_oracle"] for r in routing_rows})
+    metrics.update({f"p_{r['adapter']}_vs_null": r["vs_null_p_greater"] for r in null_rows})
+    metrics.update({f"fidelity_r_{r['system']}": r["correlation"] for r in fidelity_rows if r["system"] in bank_paths})
     markdown = "\n\n".join([
         f"## TRACE results on the held-out test split ({len(tasks)} tasks, greedy, ≤{config.max_steps} steps)",
         to_markdown(table),
         "### TRACE routed against each system, on the same tasks\n\nwins: tasks TRACE solves and the "
         "other does not; losses: the reverse; p_value: exact two-sided McNemar (sign) test on those tasks.",
         to_markdown(paired) if paired_rows else "_no routed system_",
+        "### Each adapter against its null control (same per-layer norms, random directions)\n\nwins / losses: "
+        "test tasks the adapter solves and its null does not, and the reverse; p_greater: exact one-sided sign test. "
+        "The gate column is the promotion decision, made on held-out synthetic seeds before this evaluation; "
+        "only promoted adapters are routed to.",
+        to_markdown(null_table) if null_rows else "_no null controls_",
+        f"### Fidelity of each evaluated path (agent {base_id}: {identity['backend']} {identity['dtype']})\n\n"
+        "Per-token log-prob shift (adapter minus base) through the path against PEFT fp32, on the base agent's "
+        f"train-side conversations; tolerance: correlation >= {fidelity.DEFAULT_TOLERANCE.min_correlation}, "
+        f"relative error <= {fidelity.DEFAULT_TOLERANCE.max_rel_rms_error}.",
+        to_markdown(fidelity_table) if fidelity_rows else "_not measured_",
         "### Success rate by task family", to_markdown(by_family),
         f"### Routing (target = the oracle's choice; configured router: `{chosen}`)", to_markdown(routing) if routing_rows else "_no routers_",
         "### Router selection (how the default was chosen: accuracy on TRAIN-side held-out prompts, never test)",
@@ -224,7 +292,7 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
         + f"; evaluation rollouts: {json.dumps(eval_rollouts)}",
     ])
     return {"systems": table, "by_family": by_family.to_dicts(), "routing": routing, "confusion": confusion,
-            "paired": paired,
+            "paired": paired, "nulls": null_table, "fidelity": fidelity_table, "agent_id": base_id, "agent": identity,
             "attribution": attributed, "rollouts_spent": {**spent, "evaluation": eval_rollouts}, "metrics": metrics,
             "markdown": markdown, "pngs": pngs, "task_ids": ids,
             "decisions": {k: [d.label for d in v] for k, v in decisions.items()}, "oracle_target": [t or "base" for t in target]}

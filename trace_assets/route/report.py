@@ -134,7 +134,8 @@ def paired_comparison(a: Sequence[float], b: Sequence[float], *, success_thresho
     """System ``a`` against system ``b`` on the same tasks: ``wins`` (a succeeds where b fails),
     ``losses`` (the reverse), ``delta`` (success-rate difference) and ``p_value``, the exact
     two-sided McNemar (sign) test on the discordant tasks: how likely a split at least this uneven
-    is when neither system is better. 1.0 when no task is discordant."""
+    is when neither system is better; ``p_greater``, its one-sided form (how likely at least this
+    many wins are when ``a`` is no better than ``b``). Both 1.0 when no task is discordant."""
     if len(a) != len(b):
         raise ValueError(f"paired comparison needs the same tasks: {len(a)} vs {len(b)} rewards")
     ok_a = [float(x) >= success_threshold for x in a]
@@ -143,8 +144,9 @@ def paired_comparison(a: Sequence[float], b: Sequence[float], *, success_thresho
     losses = sum(y and not x for x, y in zip(ok_a, ok_b))
     n = wins + losses
     tail = sum(math.comb(n, i) for i in range(min(wins, losses) + 1)) / 2**n if n else 1.0
+    greater = sum(math.comb(n, i) for i in range(wins, n + 1)) / 2**n if n else 1.0
     return {"wins": wins, "losses": losses, "delta": (wins - losses) / len(a) if len(a) else 0.0,
-            "p_value": min(1.0, 2 * tail)}
+            "p_value": min(1.0, 2 * tail), "p_greater": greater}
 
 
 def success_table(per_system_rewards: Mapping[str | None, Sequence[float]], *, success_threshold: float = 1.0,

@@ -1,17 +1,24 @@
-"""Greedy evaluation of an adapter against its base on held-out seeds of a (synthetic) environment.
+"""Greedy evaluation of an adapter against its base and its null control on held-out seeds of a
+(synthetic) environment, and the promotion gate.
 
 Contract: ``compare_base_and_adapter(peft_model, tokenizer, env, config)`` plays the same
 ``config.n_tasks`` tasks (seeds ``config.seed_offset ...`` of the env, far from the training seeds,
-which start at ``GRPOConfig.seed_offset = 0``) twice with greedy decoding (T = 0): once with the
-adapter disabled (the base) and once with it enabled. It returns an :class:`EvalReport` per policy.
+which start at ``GRPOConfig.seed_offset = 0``) with greedy decoding (T = 0): with the adapter
+disabled (the base), enabled, and, given ``null_dir``, with the null control in its place
+(``agent.lora.null_adapter``). It returns an :class:`EvalReport` per policy.
 Paper settings: T = 0, at most 50 interaction steps, 32k context (``EvalConfig.paper()``).
+
+:func:`promotion` is the gate in front of the MLflow alias ``champion``: an adapter is promoted only
+when its held-out success beats both the base and its null by more than the noise, i.e. the exact
+one-sided sign test on the tasks where they disagree gives ``p < alpha`` against each.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from pathlib import Path
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trace_assets.agent.backends import TransformersBackend
@@ -47,6 +54,7 @@ class EvalReport:
     mean_reward: float
     success_rate: float
     rewards: list[float]
+    successes: list[bool] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -55,8 +63,9 @@ class EvalReport:
 def _report(policy: str, rollouts: list[Rollout]) -> EvalReport:
     rewards = [float(r.result.reward) for r in rollouts]
     n = len(rollouts)
+    successes = [bool(r.result.success) for r in rollouts]
     return EvalReport(policy=policy, n=n, mean_reward=sum(rewards) / max(n, 1),
-                      success_rate=sum(bool(r.result.success) for r in rollouts) / max(n, 1), rewards=rewards)
+                      success_rate=sum(successes) / max(n, 1), rewards=rewards, successes=successes)
 
 
 def evaluate_policy(model: Any, tokenizer: Any, env: Environment, config: EvalConfig, *, policy: str,
@@ -72,11 +81,54 @@ def evaluate_policy(model: Any, tokenizer: Any, env: Environment, config: EvalCo
 
 
 def compare_base_and_adapter(peft_model: Any, tokenizer: Any, env: Environment, config: EvalConfig | None = None,
-                             *, backend_factory: Callable[[Any, Any], Any] | None = None) -> dict[str, EvalReport]:
-    """``{"base": ..., "adapter": ...}`` on the same held-out tasks (base = adapter disabled)."""
+                             *, backend_factory: Callable[[Any, Any], Any] | None = None,
+                             null_dir: str | Path | None = None) -> dict[str, EvalReport]:
+    """``{"base", "adapter"[, "null"]}`` on the same held-out tasks (base = adapter disabled; null =
+    the adapter folder ``null_dir`` loaded beside the trained one and active in its place)."""
     config = config or EvalConfig()
     disabled = getattr(peft_model, "disable_adapter", None)
     with disabled() if disabled else contextlib.nullcontext():
         base = evaluate_policy(peft_model, tokenizer, env, config, policy="base", backend_factory=backend_factory)
     adapter = evaluate_policy(peft_model, tokenizer, env, config, policy="adapter", backend_factory=backend_factory)
-    return {"base": base, "adapter": adapter}
+    out = {"base": base, "adapter": adapter}
+    if null_dir is not None:
+        trained = peft_model.active_adapter
+        peft_model.load_adapter(str(null_dir), adapter_name=NULL_ADAPTER, is_trainable=False)
+        try:
+            peft_model.set_adapter(NULL_ADAPTER)
+            out["null"] = evaluate_policy(peft_model, tokenizer, env, config, policy="null", backend_factory=backend_factory)
+        finally:
+            peft_model.set_adapter(trained)
+            peft_model.delete_adapter(NULL_ADAPTER)
+    return out
+
+
+NULL_ADAPTER = "null_control"
+
+
+def promotion(reports: dict[str, EvalReport], *, alpha: float = 0.05) -> dict[str, Any]:
+    """The promotion gate (module docstring): ``{"promoted", "reason", "vs_base", "vs_null", "alpha"}``.
+
+    Without a null report the adapter is never promoted (the control is part of the evidence)."""
+    from trace_assets.route.report import paired_comparison
+
+    adapter = [float(x) for x in reports["adapter"].successes]
+    rows: dict[str, Any] = {"alpha": alpha}
+    verdicts = []
+    for other in ("base", "null"):
+        if other not in reports:
+            rows[f"vs_{other}"] = None
+            verdicts.append(f"no {other} measured")
+            continue
+        cmp = paired_comparison(adapter, [float(x) for x in reports[other].successes])
+        rows[f"vs_{other}"] = cmp
+        ok = cmp["p_greater"] < alpha
+        verdicts.append(f"{'beats' if ok else 'does not beat'} {other} ({reports['adapter'].success_rate:.2f} vs "
+                        f"{reports[other].success_rate:.2f}: {cmp['wins']} wins, {cmp['losses']} losses, one-sided p "
+                        f"{cmp['p_greater']:.3f})")
+    promoted = all(rows[k] is not None and rows[k]["p_greater"] < alpha for k in ("vs_base", "vs_null"))
+    n = reports["adapter"].n
+    rows["promoted"] = promoted
+    rows["reason"] = (f"{'promoted' if promoted else 'not promoted'}: on {n} held-out seeds its success "
+                      + "; ".join(verdicts) + f" (gate: p < {alpha} against both)")
+    return rows

@@ -13,13 +13,26 @@ Contract of :class:`GRPOTrainer` (``GRPOTrainer(model, tokenizer, env, config, o
   (``beta = 0``, the default, skips the reference forward entirely).
 * Only tokens the model generated (``Rollout.env_mask == 1``) enter the loss; the system prompt, tool
   results and simulated-user turns do not.
-* Hints (``config.swap_hints``): a hinted episode was sampled under the hinted system prompt. Before
-  the gradient step its prefix is re-rendered and re-tokenized with the plain system prompt, so the
-  adapter learns to act that way *without* the hint. The assistant tokens' old log-probs stay the
-  ones sampled under the hinted prompt; the ratio is then pi_theta(a | plain) / pi_old(a | hinted),
-  an importance weight between the two prompts, clipped to [1 - eps, 1 + eps]: the intended,
-  bounded off-policy nudge (tokens the hint made far likelier than the plain policy gets only a
-  clipped push).
+* Hints (``config.swap_hints``, off by default): a hinted episode was sampled under the hinted
+  system prompt. With the swap, its prefix is re-rendered and re-tokenized with the plain system
+  prompt before the gradient step, so the adapter learns to act that way *without* the hint. Those
+  tokens are off-policy twice over (another prompt, and a prefix sampled under it), so they do not
+  enter the PPO clip, whose ratio pi(a | plain) / pi_old(a | hinted) would be unbounded for a
+  negative advantage. They use truncated importance sampling instead (:func:`hint_swap_loss`):
+  per token ``-min(rho, c) * A * log pi_theta(a | plain)`` with ``rho`` detached and
+  ``c = config.hint_is_cap``, the per-token truncation of V-trace / ACER. Its gradient weight lies in
+  ``[0, c]`` for either sign of A; the per-token weight ignores the prefix's own ratio (the
+  product over the prefix would be unbounded), a bias traded for the bound. Without the swap a
+  hinted episode is trained as sampled, under its hinted prompt (exactly on-policy).
+* On-policy guard: every iteration compares the log-probs the sampler reported with the trainer's
+  own log-probs of the same tokens (on-policy tokens only; computed by the loss's forward pass
+  anyway): ``onpolicy_mean_abs = mean |lp_sampler - lp_trainer|`` and ``onpolicy_kl`` (the k3
+  estimate of KL(sampler || trainer)). Above ``config.onpolicy_max_abs`` the iteration raises
+  :class:`OffPolicyError` before its optimizer step: the sampler served another policy than the
+  one being trained (a stale or missing adapter, another model, temperature or template). The bound
+  sits above the numerical gap between a bf16 sampler and a bf16-autocast trainer (measured in
+  ``benchmarks/adapter_fidelity.py``, "on-policy"), so it catches gross mismatches; an adapter too
+  small to move log-probs past numerics is caught by the fidelity probe (``agent/fidelity.py``).
 * Old log-probs are never recomputed. Non-hinted tokens with ``steps_per_iteration == 1``: the
   policy that sampled them is the policy being differentiated, so the ratio is exactly 1 and only
   its gradient matters; we use ``old = current.detach()`` (no forward pass, and no ratio noise from
@@ -138,8 +151,14 @@ class GRPOConfig:
     lora_alpha: int = 32
     lora_dropout: float = 0.0
     target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
-    swap_hints: bool = True
-    """Re-tokenize hinted episodes with the plain system prompt before the gradient step."""
+    swap_hints: bool = False
+    """Re-tokenize hinted episodes with the plain system prompt before the gradient step (trained
+    by :func:`hint_swap_loss`). Off: it is kept only where it measurably beats training hinted
+    episodes as sampled (``benchmarks/hint_swap.py``)."""
+    hint_is_cap: float = 1.0
+    """``c`` of the swapped tokens' truncated importance weight ``min(rho, c)``."""
+    onpolicy_max_abs: float = 0.25
+    """The on-policy guard's bound on ``mean |lp_sampler - lp_trainer|`` (nats per token); 0 disables."""
     checkpoint_every: int = 1
     keep_checkpoints: int = 2
     seed: int = 0
@@ -153,6 +172,8 @@ class GRPOConfig:
             raise ValueError("micro_batch_size, micro_batch_tokens, steps_per_iteration and checkpoint_every must be >= 1")
         if not 0.0 <= self.epsilon < 1.0:
             raise ValueError("epsilon must lie in [0, 1)")
+        if self.hint_is_cap <= 0 or self.onpolicy_max_abs < 0:
+            raise ValueError("hint_is_cap must be > 0 and onpolicy_max_abs >= 0")
 
     def rollout_config(self, iteration: int) -> RolloutConfig:
         return RolloutConfig(
@@ -162,10 +183,12 @@ class GRPOConfig:
         )
 
     EXECUTION_FIELDS: ClassVar[frozenset[str]] = frozenset(
-        {"micro_batch_size", "micro_batch_tokens", "generation_batch_size", "checkpoint_every", "keep_checkpoints"})
+        {"micro_batch_size", "micro_batch_tokens", "generation_batch_size", "checkpoint_every", "keep_checkpoints",
+         "onpolicy_max_abs"})
     """Fields that change how a run executes (memory, batching, checkpoint cadence), not the recipe:
     the loss is the same sum however it is split (up to float rounding), and batching generation
-    changes at most which random draws a sample gets, not its distribution."""
+    changes at most which random draws a sample gets, not its distribution. The guard's bound only
+    decides whether a run stops, never what it computes."""
 
     def identity(self) -> dict[str, Any]:
         """``to_dict()`` without :attr:`EXECUTION_FIELDS`: what an adapter's ``code_version`` and
@@ -283,6 +306,36 @@ def clipped_surrogate_loss(
     return total / torch.clamp(torch.as_tensor(denom, dtype=total.dtype), min=1)
 
 
+def hint_swap_loss(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+    *, cap: float = 1.0, normalizer: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Truncated importance sampling for tokens sampled under another prompt (the hint swap).
+
+    ``sum_t mask_t * -(min(rho_t, cap) * A_t * logprobs_t) / normalizer`` with ``rho = exp(logprobs -
+    old_logprobs)`` detached: the gradient is ``-min(rho, cap) * A * grad log pi``, whose weight lies
+    in ``[0, cap]`` whatever the ratio and the sign of A (the PPO clip bounds neither a negative
+    advantage's ratio from above nor helps a positive one below ``1 - eps``). Masked positions are
+    selected with ``where``, as in :func:`clipped_surrogate_loss`.
+    """
+    keep = mask.bool()
+    lp = torch.where(keep, logprobs, torch.zeros_like(logprobs))
+    old = torch.where(keep, old_logprobs.to(lp.dtype), torch.zeros_like(lp))
+    adv = torch.where(keep, advantages.to(lp.dtype), torch.zeros_like(lp))
+    weight = torch.clamp(torch.exp(lp.detach() - old), max=cap)
+    per_token = -(weight * adv * lp)
+    total = torch.where(keep, per_token, torch.zeros_like(per_token)).sum()
+    denom = mask.sum() if normalizer is None else normalizer
+    return total / torch.clamp(torch.as_tensor(denom, dtype=total.dtype), min=1)
+
+
+def onpolicy_gap(sampler_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor) -> tuple[float, float, int]:
+    """``(sum |d|, sum k3, n)`` over aligned tokens, ``d = trainer - sampler``; k3 = exp(d) - d - 1
+    estimates KL(sampler || trainer) from the sampler's own tokens (>= 0, unbiased)."""
+    d = (trainer_logprobs.detach().double() - sampler_logprobs.double())
+    return float(d.abs().sum()), float((torch.exp(d) - d - 1).sum()), int(d.numel())
+
+
 def clip_fraction(
     logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
     *, epsilon: float = 0.2,
@@ -310,6 +363,9 @@ class Sample:
     rollout_old: bool
     """True: the ratio uses ``old_logprobs``; False: ratio 1 (old = current, detached)."""
     task_id: str
+    swapped: bool = False
+    """Sampled under a hinted prompt and re-tokenized with the plain one: trained by
+    :func:`hint_swap_loss`, left out of the on-policy guard."""
     hinted: bool = False
     reward: float = 0.0
     success: bool = False
@@ -377,6 +433,10 @@ class IterationMetrics:
     zero_std_groups: int
     hinted: int
     optimizer_steps: int
+    onpolicy_mean_abs: float | None = None
+    """Mean |sampler - trainer| log-prob of the iteration's on-policy tokens (None: none trained)."""
+    onpolicy_kl: float | None = None
+    """k3 estimate of KL(sampler || trainer) on the same tokens."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -385,7 +445,12 @@ class IterationMetrics:
         """One progress line, as the assets log it."""
         return (f"iteration {self.iteration}: reward {self.mean_reward:.3f}, success {self.success_rate:.2f}, "
                 f"loss {self.loss:.4f}, trained {self.trained_sequences} seqs / {self.loss_tokens} tokens, "
+                f"on-policy |d| {_fmt(self.onpolicy_mean_abs)} KL {_fmt(self.onpolicy_kl)}, "
                 f"gen {self.gen_time_s:.0f}s, opt {self.opt_time_s:.0f}s")
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
 
 
 class GRPOError(RuntimeError):
@@ -414,6 +479,10 @@ class NonFiniteLossError(GRPOError):
 
 class RolloutError(GRPOError):
     """The environment or the reward function failed on a task."""
+
+
+class OffPolicyError(GRPOError):
+    """The sampler's log-probs disagree with the trainer's beyond ``GRPOConfig.onpolicy_max_abs``."""
 
 
 @dataclass
@@ -583,10 +652,11 @@ class GRPOTrainer:
             hinted = bool(rollout.messages) and rollout.messages[0].get("content") != self.plain_prompt
             if hinted and cfg.swap_hints:
                 rollout = swap_system_prompt(rollout, self.tokenizer, self.tools, self.plain_prompt)
+            swapped = hinted and cfg.swap_hints
             samples.append(trim(Sample(
                 token_ids=list(rollout.token_ids), loss_mask=list(rollout.env_mask),
                 old_logprobs=list(rollout.logprobs), advantage=float(advantage),
-                rollout_old=(hinted and cfg.swap_hints) or cfg.steps_per_iteration > 1,
+                rollout_old=swapped or cfg.steps_per_iteration > 1, swapped=swapped,
                 task_id=rollout.task.task_id, hinted=hinted, reward=reward,
                 success=bool(rollout.result.success),
             )))
@@ -612,7 +682,7 @@ class GRPOTrainer:
         ids = torch.full((len(samples), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros((len(samples), width), dtype=torch.long)
         target = torch.zeros((len(samples), width), dtype=torch.long)
-        old, adv, use_old = [], [], []
+        old, adv, use_old, swapped = [], [], [], []
         for row, s in enumerate(samples):  # right padding: positions match generation's
             n = len(s.token_ids)
             ids[row, :n] = torch.tensor(s.token_ids)
@@ -623,11 +693,13 @@ class GRPOTrainer:
             old += [s.old_logprobs[t] for t in picked]
             adv += [s.advantage] * len(picked)
             use_old += [s.rollout_old] * len(picked)
+            swapped += [s.swapped] * len(picked)
         dev = self.device
         return {"input_ids": ids.to(dev), "attention_mask": attention.to(dev), "target_mask": target.to(dev),
                 "old": torch.tensor(old, dtype=torch.float32, device=dev),
                 "advantages": torch.tensor(adv, dtype=torch.float32, device=dev),
-                "use_old": torch.tensor(use_old, dtype=torch.bool, device=dev)}
+                "use_old": torch.tensor(use_old, dtype=torch.bool, device=dev),
+                "swapped": torch.tensor(swapped, dtype=torch.bool, device=dev)}
 
     def optimize(self, samples: list[Sample], iteration: int) -> dict[str, float]:
         """``steps_per_iteration`` optimizer steps on ``samples``; raises before a non-finite step."""
@@ -637,14 +709,16 @@ class GRPOTrainer:
         active = [s for s in active if any(s.loss_mask[1:])]
         active.sort(key=lambda s: -len(s.token_ids))  # similar lengths together: less padding
         stats = {"loss": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0, "kl": 0.0, "steps": 0,
-                 "trained_sequences": len(active), "loss_tokens": n_tokens}
+                 "trained_sequences": len(active), "loss_tokens": n_tokens,
+                 "onpolicy_mean_abs": None, "onpolicy_kl": None}
         if not active or n_tokens == 0:
             return stats  # no signal: an optimizer step would only apply Adam's momentum
         self.model.train()
         losses, clips, kls, norms = [], [], [], []
-        for _ in range(cfg.steps_per_iteration):
+        for step in range(cfg.steps_per_iteration):
             self.optimizer.zero_grad(set_to_none=True)
             step_loss, clipped, kl_sum, counted = 0.0, 0.0, 0.0, 0
+            gap_abs, gap_kl, gap_n = 0.0, 0.0, 0
             for chunk in micro_batches([len(x.token_ids) for x in active], cfg.micro_batch_size, cfg.micro_batch_tokens):
                 chunk = [active[i] for i in chunk]
                 mb = self._micro_batch(chunk)
@@ -657,9 +731,16 @@ class GRPOTrainer:
                     with torch.no_grad(), self.model.disable_adapter(), autocast(self.bf16, self.device.type):
                         ref = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], mb["target_mask"],
                                              temperature=cfg.temperature)
-                ones = torch.ones_like(lp)
-                loss = clipped_surrogate_loss(lp, old, mb["advantages"], ones, epsilon=cfg.epsilon,
+                plain = ~mb["swapped"]
+                loss = clipped_surrogate_loss(lp, old, mb["advantages"], plain, epsilon=cfg.epsilon,
                                               ref_logprobs=ref, beta=cfg.beta, normalizer=n_tokens)
+                if mb["swapped"].any():
+                    loss = loss + hint_swap_loss(lp, mb["old"], mb["advantages"], mb["swapped"], cap=cfg.hint_is_cap,
+                                                 normalizer=n_tokens)
+                if step == 0 and plain.any():  # before any step of this iteration: the sampled policy
+                    a, k, n = onpolicy_gap(mb["old"][plain], lp[plain])
+                    gap_abs, gap_kl, gap_n = gap_abs + a, gap_kl + k, gap_n + n
+                ones = torch.ones_like(lp)
                 if not torch.isfinite(loss):
                     raise NonFiniteLossError(f"non-finite loss {loss.item()}", iteration=iteration,
                                              task_id=", ".join(sorted({s.task_id for s in chunk})),
@@ -671,6 +752,16 @@ class GRPOTrainer:
                     diff = (ref - lp.detach()).float()
                     kl_sum += (torch.exp(diff) - diff - 1).sum().item()
                 counted += lp.numel()
+            if step == 0 and gap_n:
+                stats["onpolicy_mean_abs"], stats["onpolicy_kl"] = gap_abs / gap_n, gap_kl / gap_n
+                if cfg.onpolicy_max_abs and stats["onpolicy_mean_abs"] > cfg.onpolicy_max_abs:
+                    self.optimizer.zero_grad(set_to_none=True)
+                    raise OffPolicyError(
+                        f"the sampler's log-probs differ from the trainer's by {stats['onpolicy_mean_abs']:.4f} nats "
+                        f"per token on average (bound onpolicy_max_abs = {cfg.onpolicy_max_abs}; KL estimate "
+                        f"{stats['onpolicy_kl']:.4f}, {gap_n} tokens): the rollouts were not sampled from the policy "
+                        "being trained (stale or missing adapter, another model, temperature or chat template)",
+                        iteration=iteration, task_id=None, checkpoint=self.latest_checkpoint())
             limit = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
             norm = torch.nn.utils.clip_grad_norm_(self.params, limit).item()
             if not math.isfinite(norm):
@@ -707,6 +798,7 @@ class GRPOTrainer:
             loss_tokens=int(stats["loss_tokens"]), trained_sequences=int(stats["trained_sequences"]),
             zero_std_groups=int((grouped.std(dim=1, unbiased=False) == 0).sum()),
             hinted=sum(s.hinted for s in samples), optimizer_steps=int(stats["steps"]),
+            onpolicy_mean_abs=stats["onpolicy_mean_abs"], onpolicy_kl=stats["onpolicy_kl"],
         )
         self.iteration = iteration
         self.history.append(metrics)

@@ -58,6 +58,7 @@ from dagster import (
 
 from resources.store import TraceStore
 from trace_assets import paths
+from trace_assets.settings import clip
 from trace_assets.trajectories import SUPPORTED_SUFFIXES, RecordError, import_file, quarantine
 
 REIDENTIFY_JOB = "reidentify"
@@ -164,7 +165,7 @@ def process_landing(
         except Exception as exc:  # noqa: BLE001 - the sensor must keep running
             attempts = cursor["attempts"].get(digest, 0) + 1
             cursor["attempts"][digest] = attempts
-            log.error(f"landing: importing {path.name} failed (attempt {attempts}/{MAX_ATTEMPTS}): {exc!r}")
+            log.error(f"landing: importing {path.name} failed (attempt {attempts}/{MAX_ATTEMPTS}): {clip(repr(exc))}")
             if attempts >= MAX_ATTEMPTS:
                 try:
                     target = quarantine(path, [RecordError(str(path), 0, "<file>", f"importer error: {exc!r}")],
@@ -189,6 +190,8 @@ def process_landing(
             log.warning(f"landing: {report.summary()}; first errors: {[str(e) for e in report.errors[:5]]}")
         if report.ok:
             log.info(f"landing: {report.summary()} -> {target}")
+        if report.warnings:
+            log.warning(f"landing: {path.name}: {len(report.warnings)} warning(s), first: {[str(w) for w in report.warnings[:5]]}")
         cursor["files"][digest] = {**entry, "status": status, "n_inserted": report.n_inserted, "to": target}
         results.append({**entry, "sha256": digest, "status": status, "n_inserted": report.n_inserted,
                         "n_valid": report.n_valid, "n_errors": len(report.errors)})

@@ -42,14 +42,25 @@ def cmd_import(args: argparse.Namespace) -> int:
     from resources.store import TraceStore
     from trace_assets.trajectories import import_file
 
+    from rich.markup import escape
+
+    from trace_assets.settings import clip
+
     store = TraceStore()
     failed = 0
     for file in args.files:
-        report = import_file(Path(file), store)
+        try:
+            report = import_file(Path(file), store)
+        except Exception as exc:  # noqa: BLE001 - one file (a locked store, a disk error) never stops the others
+            console.print(f"[red]{escape(f'{file}: not imported: {type(exc).__name__}: {clip(exc, 500)}')}[/]", highlight=False)
+            failed += 1
+            continue
         colour = "green" if report.ok else "red"
-        console.print(f"[{colour}]{report.summary()}[/]")
+        console.print(f"[{colour}]{escape(report.summary())}[/]", highlight=False)
         for error in report.errors[:20]:
-            console.print(f"  {error}")
+            console.print(f"  {error}", highlight=False, markup=False)
+        for warning in report.warnings[:20]:
+            console.print(f"  warning: {warning}", highlight=False, markup=False)
         failed += not report.ok
     return 1 if failed else 0
 

@@ -52,6 +52,9 @@ def build_train_assets(settings: Settings) -> list:
         from trace_assets.train.evaluate import EvalConfig, compare_base_and_adapter
         from trace_assets.train.grpo import GRPOError, GRPOTrainer
 
+        from sensors import record_worker
+
+        record_worker(context)  # it holds the `train` slot: a killed worker must be reapable
         name = checked_partition_key(context.partition_key)  # it becomes a path part below
         if not synthetic_env["calibration"]["passed"]:
             raise Failure(

@@ -309,7 +309,10 @@ def build_automation_sensor() -> AutomationConditionSensorDefinition:
 
 def record_worker(context: Any) -> None:
     """Tag the current run with this process (``WORKER_TAG``), so that it can be reaped if killed.
-    Call it first thing in a step that holds a pool slot."""
+    Call it first thing in a step that holds a pool slot. A direct invocation (no stored run) is
+    left alone."""
+    if context.instance.get_run_by_id(context.run_id) is None:
+        return
     context.instance.add_run_tags(context.run_id, {WORKER_TAG: f"{socket.gethostname()}:{os.getpid()}"})
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from dagster import DagsterInstance, build_sensor_context
+from dagster import DagsterInstance
 
 from resources.store import TraceStore
-from sensors import MAX_ATTEMPTS, build_new_trajectories_sensor, build_reidentify_job, load_cursor, process_landing
+from sensors import MAX_ATTEMPTS, load_cursor, process_landing
 from tests.openai_server import ScriptedOpenAI
 from trace_assets import cli
 from trace_assets.identify.capabilities import (
@@ -133,10 +133,6 @@ def test_sensor_quarantines_a_deep_file_at_once(tmp_path, monkeypatch):
     assert not any(level == "error" for level, _ in logged)
 
 
-def _scripted_client(answers):
-    return ScriptedOpenAI(answers)
-
-
 def test_complete_json_turns_recursion_into_a_retry_and_bounds_the_echo():
     huge_deep = "{\"a\": " + "[" * 100_000 + "]" * 100_000 + "}"
     with ScriptedOpenAI([huge_deep, '{"ok": true}']) as server:
@@ -233,6 +229,25 @@ def test_huge_values_are_echoed_bounded(store, tmp_path, capsys):
     assert reason.stat().st_size < 5_000
     assert cli.main(["import", str(path)]) == 1
     assert len(capsys.readouterr().out) < 10_000
+
+
+def test_sensor_log_lines_are_bounded(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRACE_DATA_DIR", str(tmp_path / "data"))
+    landing = tmp_path / "landing"
+    landing.mkdir()
+    (landing / "big.jsonl").write_text(_line(1, env="y" * 2_000_000) + "\n" + _line(2) + "\n")
+    store = TraceStore(database=str(tmp_path / "data" / "t.duckdb"))
+    logged = []
+
+    class Log:
+        def __getattr__(self, level):
+            return lambda msg: logged.append(msg)
+
+    results, _ = process_landing(landing, store, load_cursor(None), Log())
+    assert results[0]["status"] == "quarantined" and logged
+    assert max(len(m) for m in logged) < 5_000
+    reason = next((tmp_path / "data" / "quarantine").glob("*.reason.json"))
+    assert reason.stat().st_size < 5_000
 
 
 # 5. duplicates -----------------------------------------------------------------------------------

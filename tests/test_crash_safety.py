@@ -21,15 +21,13 @@ CAPABILITY = "confirm_before_writing"
 
 MATERIALIZE = textwrap.dedent("""
     import json, os, sys, time
-    from dagster import DagsterInstance, Output, asset, materialize
+    from dagster import DagsterInstance, asset, materialize
     from sensors import ensure_pools
     from trace_assets.assets.identify import capability_partitions
     from trace_assets.assets.train import build_train_assets
     from trace_assets.definitions import build_resources
-    from trace_assets.envs import get_environment
     from trace_assets.settings import TINY
     from trace_assets.synthesize.spec import spec_hash
-    from trace_assets.synthesize.template import template_spec
     from trace_assets.train import grpo
 
     model_path, spec_path = sys.argv[1], sys.argv[2]

@@ -54,8 +54,8 @@ def build_train_assets(settings: Settings) -> list:
 
         from sensors import record_worker
 
-        record_worker(context)  # it holds the `train` slot: a killed worker must be reapable
         name = checked_partition_key(context.partition_key)  # it becomes a path part below
+        record_worker(context)  # it holds the `train` slot: a killed worker must be reapable
         if not synthetic_env["calibration"]["passed"]:
             raise Failure(
                 f"lora_adapter[{name}]: its synthetic environment is not calibrated "

@@ -303,13 +303,21 @@ def test_natively_nested_parquet_is_accepted(store, tmp_path):
             for c in m.get("tool_calls") or []:
                 if not isinstance(c["function"]["arguments"], str):
                     c["function"]["arguments"] = json.dumps(c["function"]["arguments"])
+    # and natively nested arguments: one struct over every call's keys
+    native = [_record(10), _record(11)]
+    native[1]["messages"][1]["tool_calls"][0]["function"]["arguments"] = {"user_id": "u11"}
+    pq.write_table(pa.Table.from_pylist(native), tmp_path / "native_args.parquet")
+    report = import_file(tmp_path / "native_args.parquet", store)
+    assert report.ok and report.n_inserted == 2, [str(e) for e in report.errors]
+    args = {t["task_id"][-2:]: t["messages"][1]["tool_calls"][0]["function"]["arguments"] for t in store.trajectories()}
+    assert args == {"10": {"order_id": "W10"}, "11": {"user_id": "u11"}}
     table = pa.Table.from_pylist(rows)
     assert pa.types.is_list(table.schema.field("messages").type)
     path = tmp_path / "nested.parquet"
     pq.write_table(table, path)
     report = import_file(path, store)
     assert report.ok and report.n_inserted == 3, [str(e) for e in report.errors]
-    stored = store.trajectories()
+    stored = [t for t in store.trajectories() if t["source"] == "nested.parquet"]
     first = next(t for t in stored if t["task_id"].endswith("00000"))
     assert first["messages"][0] == {"role": "user", "content": "Where is order W0?"}
     assert first["messages"][1]["content"] is None

@@ -277,10 +277,19 @@ def _without_nulls(message: dict[str, Any], keep: tuple[str, ...] = ()) -> dict[
     out = {k: v for k, v in message.items() if v is not None or k in keep}
     if isinstance(out.get("tool_calls"), list):
         out["tool_calls"] = [
-            {**_without_nulls(c), **({"function": _without_nulls(c["function"])} if isinstance(c.get("function"), dict) else {})}
+            {**_without_nulls(c), **({"function": _function_without_nulls(c["function"])} if isinstance(c.get("function"), dict) else {})}
             if isinstance(c, dict) else c
             for c in out["tool_calls"]
         ]
+    return out
+
+
+def _function_without_nulls(function: dict[str, Any]) -> dict[str, Any]:
+    """Object arguments become one struct over every call's keys: a call's absent keys read None.
+    (Parquet cannot tell an explicit null from an absent key; absent is by far the common case.)"""
+    out = _without_nulls(function)
+    if isinstance(out.get("arguments"), dict):
+        out["arguments"] = _without_nulls(out["arguments"])
     return out
 
 

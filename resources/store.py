@@ -14,6 +14,7 @@ Contracts:
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -76,6 +77,10 @@ CREATE TABLE IF NOT EXISTS label_errors (
 """
 
 
+class StoreBusyError(RuntimeError):
+    """Another process held the database's write lock for longer than ``lock_timeout_s``."""
+
+
 class TraceStore(ConfigurableResource):
     """The project's DuckDB database. ``database`` defaults to ``<TRACE_DATA_DIR>/trace.duckdb``."""
 
@@ -96,9 +101,14 @@ class TraceStore(ConfigurableResource):
                 conn = duckdb.connect(str(self.path), read_only=read_only and self.path.exists())
                 break
             except duckdb.IOException as exc:  # the file is locked by another process
-                if "lock" not in str(exc).lower() or time.monotonic() > deadline:
+                if "lock" not in str(exc).lower():
                     raise
-                time.sleep(0.5)
+                if time.monotonic() > deadline:
+                    raise StoreBusyError(
+                        f"{self.path}: another process still holds DuckDB's write lock after "
+                        f"{self.lock_timeout_s:.0f} s of waiting; try again when it is done"
+                    ) from None
+                time.sleep(0.2 + random.random() * 0.3)  # jitter: two waiters do not retry in lockstep
         try:
             if not read_only:
                 conn.execute(SCHEMA_SQL)
@@ -185,6 +195,13 @@ class TraceStore(ConfigurableResource):
         )
         return set(frame.iter_rows())
 
+    def trajectories_by_id(self, ids: Sequence[str]) -> list[dict[str, Any]]:
+        """The stored records among ``ids`` (decoded like ``trajectories``)."""
+        if not ids:
+            return []
+        frame = self.query("SELECT * FROM trajectories WHERE list_contains(?, trajectory_id)", [list(ids)])
+        return [_decoded(row) for row in frame.to_dicts()]
+
     def query(self, sql: str, params: Sequence[Any] | None = None) -> pl.DataFrame:
         """Run a read query and return a polars frame."""
         with self.connect() as conn:
@@ -202,8 +219,7 @@ class TraceStore(ConfigurableResource):
         frame = self.query(
             f"SELECT * FROM trajectories WHERE {where} ORDER BY trajectory_id", list(equals.values())
         )
-        return _decoded(frame)
-
+        return [_decoded(row) for row in frame.to_dicts()]
 
     def agent_trajectories(self, *, split: str, agent_id: str, policy: str = "base",
                            imported: bool = True) -> list[dict[str, Any]]:
@@ -215,16 +231,14 @@ class TraceStore(ConfigurableResource):
         frame = self.query(
             "SELECT * FROM trajectories WHERE split = ? AND policy = ? AND (agent_id = ? OR (? AND agent_id = '' "
             "AND source <> ?)) ORDER BY trajectory_id", [split, policy, agent_id, imported, PIPELINE_SOURCE])
-        return _decoded(frame)
+        return [_decoded(row) for row in frame.to_dicts()]
 
 
-def _decoded(frame: pl.DataFrame) -> list[dict[str, Any]]:
-    rows = frame.to_dicts()
-    for row in rows:
-        row["messages"] = json.loads(row["messages"])
-        row["info"] = json.loads(row["info"])
-        row["created_at"] = row["created_at"].isoformat()
-    return rows
+def _decoded(row: dict[str, Any]) -> dict[str, Any]:
+    row["messages"] = json.loads(row["messages"])
+    row["info"] = json.loads(row["info"])
+    row["created_at"] = row["created_at"].isoformat()
+    return row
 
 
 def _casts() -> list[str]:
@@ -237,7 +251,7 @@ def _casts() -> list[str]:
 def _records_frame(records: Sequence[dict[str, Any]]) -> pl.DataFrame:
     rows = [
         {
-            **{col: rec[col] for col in TRAJECTORY_COLUMNS},
+            **{col: rec.get(col) for col in TRAJECTORY_COLUMNS},
             "messages": json.dumps(rec["messages"], ensure_ascii=False),
             "info": json.dumps(rec["info"], ensure_ascii=False, default=str),
             "reward": float(rec["reward"]),

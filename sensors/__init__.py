@@ -24,6 +24,13 @@
   by other means (``trace import``). Its run key is a fingerprint of the train trajectories, so a
   night without new data launches nothing.
 * ``trace_automation``: the automation-condition sensor over every asset.
+* ``dead_run_reaper``: marks failed, and frees the pool slots of, runs whose worker process is gone
+  (``kill -9``, an OOM kill, a reboot). Dagster's run monitoring cannot see that with the default
+  run launcher (it has no worker health check), so a killed training would hold the one ``train``
+  slot for ever. A step that takes a ``train`` slot records its ``host:pid`` (``WORKER_TAG``) at its
+  start, whoever launched the run (UI, CLI, ``trace demo``); a run is reaped only when that host is
+  this one and that process no longer exists. ``trace demo`` calls the same function before it
+  starts, so it needs no daemon.
 
 Default status: all three are RUNNING. The landing sensor is cheap (a directory listing every
 30 s) and acts only on files someone put there; the schedule launches nothing unless trajectories
@@ -37,6 +44,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -58,6 +66,7 @@ from dagster import (
 
 from resources.store import TraceStore
 from trace_assets import paths
+from trace_assets.settings import clip
 from trace_assets.trajectories import SUPPORTED_SUFFIXES, RecordError, import_file, quarantine
 
 REIDENTIFY_JOB = "reidentify"
@@ -65,6 +74,11 @@ REIDENTIFY_ASSETS = ("trajectory_splits", "label_matrix", "capability_stats", "s
 SENSOR_NAME = "new_trajectories_sensor"
 SCHEDULE_NAME = "nightly_reidentification"
 AUTOMATION_SENSOR_NAME = "trace_automation"
+REAPER_SENSOR_NAME = "dead_run_reaper"
+WORKER_TAG = "trace/worker"
+"""``<hostname>:<pid>`` of the process running a run's pool-slot step (set by the step itself)."""
+DEMO_PID_TAG = "trace/demo_pid"
+"""The pid of the ``trace demo`` process that executes a run in-process."""
 TRAIN_POOL = "train"
 MAX_ATTEMPTS = 3
 CURSOR_MAX_FILES = 5000  # the oldest entries are dropped beyond this; imports stay idempotent anyway
@@ -164,7 +178,7 @@ def process_landing(
         except Exception as exc:  # noqa: BLE001 - the sensor must keep running
             attempts = cursor["attempts"].get(digest, 0) + 1
             cursor["attempts"][digest] = attempts
-            log.error(f"landing: importing {path.name} failed (attempt {attempts}/{MAX_ATTEMPTS}): {exc!r}")
+            log.error(f"landing: importing {path.name} failed (attempt {attempts}/{MAX_ATTEMPTS}): {clip(repr(exc))}")
             if attempts >= MAX_ATTEMPTS:
                 try:
                     target = quarantine(path, [RecordError(str(path), 0, "<file>", f"importer error: {exc!r}")],
@@ -189,6 +203,8 @@ def process_landing(
             log.warning(f"landing: {report.summary()}; first errors: {[str(e) for e in report.errors[:5]]}")
         if report.ok:
             log.info(f"landing: {report.summary()} -> {target}")
+        if report.warnings:
+            log.warning(f"landing: {path.name}: {len(report.warnings)} warning(s), first: {[str(w) for w in report.warnings[:5]]}")
         cursor["files"][digest] = {**entry, "status": status, "n_inserted": report.n_inserted, "to": target}
         results.append({**entry, "sha256": digest, "status": status, "n_inserted": report.n_inserted,
                         "n_valid": report.n_valid, "n_errors": len(report.errors)})
@@ -291,11 +307,76 @@ def build_automation_sensor() -> AutomationConditionSensorDefinition:
     )
 
 
+def record_worker(context: Any) -> None:
+    """Tag the current run with this process (``WORKER_TAG``), so that it can be reaped if killed.
+    Call it first thing in a step that holds a pool slot. A direct invocation (no stored run) is
+    left alone."""
+    if context.instance.get_run_by_id(context.run_id) is None:
+        return
+    context.instance.add_run_tags(context.run_id, {WORKER_TAG: f"{socket.gethostname()}:{os.getpid()}"})
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _dead_owner(tags: dict[str, str]) -> str | None:
+    """The owner of a run, described, if it is a process of this host that no longer exists."""
+    worker = tags.get(WORKER_TAG, "")
+    host, _, pid = worker.rpartition(":")
+    if host == socket.gethostname() and pid.isdigit() and not process_alive(int(pid)):
+        return f"its worker process {worker}"
+    demo = tags.get(DEMO_PID_TAG, "")
+    if demo.isdigit() and not process_alive(int(demo)) and not worker:
+        return f"its `trace demo` process (pid {demo})"
+    return None
+
+
+def reap_dead_runs(instance: Any, log: Any = None) -> list[str]:
+    """Mark failed every started run whose owning process is gone, and free its pool slots.
+
+    Runs without an owner tag, or owned by another host (a Docker or Kubernetes worker), are never
+    touched: only their own launcher can tell whether they live. Returns the reaped run ids.
+    """
+    from dagster import DagsterRunStatus, RunsFilter
+
+    reaped = []
+    for run in instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.STARTED, DagsterRunStatus.STARTING])):
+        owner = _dead_owner(run.tags)
+        if owner is None:
+            continue
+        message = f"{owner} died; marked failed and its pool slots freed, so the next run can take them"
+        instance.report_run_failed(run, message=message)
+        instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
+        reaped.append(run.run_id)
+        if log is not None:
+            log(f"run {run.run_id}: {message}")
+    return reaped
+
+
+def build_reaper_sensor(*, minimum_interval_seconds: int = 30,
+                        default_status: DefaultSensorStatus = DefaultSensorStatus.RUNNING):
+    @sensor(name=REAPER_SENSOR_NAME, minimum_interval_seconds=minimum_interval_seconds, default_status=default_status,
+            description="Marks failed, and frees the pool slots of, runs whose worker process was killed.")
+    def dead_run_reaper(context: SensorEvaluationContext):
+        reaped = reap_dead_runs(context.instance, context.log.warning)
+        return SkipReason(f"reaped {len(reaped)} run(s) whose worker died: {reaped}" if reaped else "no dead runs")
+
+    return dead_run_reaper
+
+
 def build_operate_definitions(settings: Any = None, *, landing_dir: str | None = None) -> dict[str, list]:
     """``{"sensors": [...], "schedules": [...], "jobs": [...]}`` to pass into ``Definitions``."""
     job = build_reidentify_job()
     return {
-        "sensors": [build_new_trajectories_sensor(job, landing_dir=landing_dir), build_automation_sensor()],
+        "sensors": [build_new_trajectories_sensor(job, landing_dir=landing_dir), build_automation_sensor(),
+                    build_reaper_sensor()],
         "schedules": [build_nightly_schedule(job)],
         "jobs": [job],
     }

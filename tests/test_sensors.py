@@ -214,7 +214,7 @@ def test_operate_definitions_wiring_and_schedule(tmp_path, monkeypatch):
     defs = build_definitions(TINY)
     repo = defs.get_repository_def()
     sensors_by_name = {s.name: s for s in repo.sensor_defs}
-    assert set(sensors_by_name) == {"new_trajectories_sensor", "trace_automation"}
+    assert set(sensors_by_name) == {"new_trajectories_sensor", "trace_automation", "dead_run_reaper"}
     assert all(s.default_status == DefaultSensorStatus.RUNNING for s in sensors_by_name.values())
     job = defs.resolve_job_def(REIDENTIFY_JOB)
     keys = {k.to_user_string() for k in job.asset_layer.executable_asset_keys}
@@ -243,7 +243,7 @@ def test_operate_definitions_wiring_and_schedule(tmp_path, monkeypatch):
         assert schedule.evaluate_tick(ctx).run_requests[0].run_key != first[0].run_key
 
     ops = build_operate_definitions(TINY)
-    assert {len(ops["sensors"]), len(ops["schedules"]), len(ops["jobs"])} == {2, 1}
+    assert (len(ops["sensors"]), len(ops["schedules"]), len(ops["jobs"])) == (3, 1, 1)
 
 
 def test_train_pool_is_limited_to_one():
@@ -277,7 +277,8 @@ def test_a_killed_demo_frees_its_train_slot_and_a_live_one_blocks_a_second(tmp_p
     from dagster import DagsterRunStatus
     from dagster._core.storage.dagster_run import DagsterRun
 
-    from trace_assets.cli import DEMO_PID_TAG, demo_lock
+    from sensors import DEMO_PID_TAG
+    from trace_assets.cli import demo_lock
 
     monkeypatch.setenv("TRACE_DATA_DIR", str(tmp_path / "data"))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -302,3 +303,36 @@ def test_a_killed_demo_frees_its_train_slot_and_a_live_one_blocks_a_second(tmp_p
                     pass
             lock.write_text(str(os.getpid()))
         assert not lock.exists()
+
+
+def test_reaper_fails_runs_whose_recorded_worker_died_and_only_those(tmp_path):
+    """Runs started from the UI or the CLI carry the worker tag their pool-slot step recorded."""
+    import socket
+    import subprocess
+    import sys
+
+    from dagster import DagsterRunStatus
+    from dagster._core.storage.dagster_run import DagsterRun
+
+    from sensors import WORKER_TAG, build_reaper_sensor
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    with DagsterInstance.ephemeral() as instance:
+        ensure_pools(instance)
+        runs = {
+            "dead-here": {WORKER_TAG: f"{host}:{dead.pid}"},
+            "alive-here": {WORKER_TAG: f"{host}:{os.getpid()}"},
+            "dead-elsewhere": {WORKER_TAG: f"another-host:{dead.pid}"},  # e.g. a Docker worker: not ours to judge
+            "untagged": {},
+        }
+        for run_id, tags in runs.items():
+            instance.add_run(DagsterRun(job_name="trace_main", run_id=run_id, status=DagsterRunStatus.STARTED, tags=tags))
+        instance.event_log_storage.claim_concurrency_slot("train", "dead-here", "lora_adapter")
+        result = build_reaper_sensor()(build_sensor_context(instance=instance))
+        assert "dead-here" in result.skip_message
+        status = {run_id: instance.get_run_by_id(run_id).status for run_id in runs}
+        assert status == {"dead-here": DagsterRunStatus.FAILURE, "alive-here": DagsterRunStatus.STARTED,
+                          "dead-elsewhere": DagsterRunStatus.STARTED, "untagged": DagsterRunStatus.STARTED}
+        assert not instance.event_log_storage.get_concurrency_info("train").claimed_slots

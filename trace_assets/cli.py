@@ -42,14 +42,25 @@ def cmd_import(args: argparse.Namespace) -> int:
     from resources.store import TraceStore
     from trace_assets.trajectories import import_file
 
+    from rich.markup import escape
+
+    from trace_assets.settings import clip
+
     store = TraceStore()
     failed = 0
     for file in args.files:
-        report = import_file(Path(file), store)
+        try:
+            report = import_file(Path(file), store)
+        except Exception as exc:  # noqa: BLE001 - one file (a locked store, a disk error) never stops the others
+            console.print(f"[red]{escape(f'{file}: not imported: {type(exc).__name__}: {clip(exc, 500)}')}[/]", highlight=False)
+            failed += 1
+            continue
         colour = "green" if report.ok else "red"
-        console.print(f"[{colour}]{report.summary()}[/]")
+        console.print(f"[{colour}]{escape(report.summary())}[/]", highlight=False)
         for error in report.errors[:20]:
-            console.print(f"  {error}")
+            console.print(f"  {error}", highlight=False, markup=False)
+        for warning in report.warnings[:20]:
+            console.print(f"  warning: {warning}", highlight=False, markup=False)
         failed += not report.ok
     return 1 if failed else 0
 
@@ -148,6 +159,8 @@ def run_stale(defs, instance, job_name: str, *, max_waves: int = 50) -> tuple[li
     A run that fails (or whose blocking check fails) is reported and not retried in this
     invocation; its partition's siblings and unrelated assets go on.
     """
+    from sensors import DEMO_PID_TAG
+
     job = defs.resolve_job_def(job_name)
     graph = defs.resolve_asset_graph()
     run_ids: list[str] = []
@@ -222,21 +235,20 @@ def print_summary(defs, instance, run_ids: list[str], wall_s: float) -> None:
     console.print(f"Open the same instance in the UI with [bold]make ui[/] (DAGSTER_HOME={os.environ['DAGSTER_HOME']}).")
 
 
-DEMO_PID_TAG = "trace/demo_pid"
-
 
 @contextlib.contextmanager
 def demo_lock(instance):
     """One ``trace demo`` per data folder, and recovery from a killed one.
 
     ``trace demo`` runs its steps in its own process (no daemon) and tags each run with its pid. If
-    that process is killed (kill -9, a reboot), its runs stay STARTED and keep their ``train`` pool
-    slot claimed, so the next training step would wait forever. So: runs tagged with the pid of a
-    process that is gone are marked failed and their pool slots freed (runs launched from the UI
-    carry no such tag and are never touched). The lock file names the running demo's pid; a second
-    demo on the same data folder refuses to start while that process lives.
+    a run's process is killed (kill -9, a reboot), the run stays STARTED and keeps its ``train``
+    pool slot claimed, so the next training step would wait forever. So: ``sensors.reap_dead_runs``
+    marks runs whose recorded process is gone failed and frees their slots (the same function the
+    ``dead_run_reaper`` sensor runs for runs launched from the UI or the CLI). The lock file names
+    the running demo's pid; a second demo on the same data folder refuses to start while that
+    process lives.
     """
-    from dagster import DagsterRunStatus, RunsFilter
+    from sensors import process_alive, reap_dead_runs
 
     lock = paths.data_dir() / ".demo.lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
@@ -245,30 +257,15 @@ def demo_lock(instance):
             holder = int(lock.read_text().strip() or 0)
         except ValueError:
             holder = 0
-        if holder and holder != os.getpid() and _alive(holder):
+        if holder and holder != os.getpid() and process_alive(holder):
             raise SystemExit(f"another `trace demo` (pid {holder}) is running on {paths.data_dir()}; "
                              f"wait for it, or stop it and run again")
-    for run in instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.STARTED, DagsterRunStatus.STARTING])):
-        pid = run.tags.get(DEMO_PID_TAG)
-        if pid and pid.isdigit() and not _alive(int(pid)):
-            instance.report_run_failed(run, message=f"its `trace demo` process (pid {pid}) died; marked failed by the next demo")
-            instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
-            console.print(f"[yellow]run {run.run_id} was left running by a killed demo: marked failed, pool slots freed[/]")
+    reap_dead_runs(instance, lambda message: console.print(f"[yellow]{message}[/]", highlight=False, markup=False))
     lock.write_text(str(os.getpid()))
     try:
         yield
     finally:
         lock.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

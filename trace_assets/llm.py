@@ -18,7 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from trace_assets.settings import clip
+
 T = TypeVar("T")
+ECHOED_REPLY_CHARS = 8000
+"""How much of an invalid answer a retry shows the model again (a spec is a few thousand)."""
 
 
 class LLMError(RuntimeError):
@@ -84,18 +88,24 @@ def complete_json(
     seed: int | None = None,
     max_tokens: int = 1024,
 ) -> T:
-    """Ask until ``check(parsed_json)`` returns without raising ``ValueError``; raise ``LLMError``
-    with every attempt's reason when the retries are spent."""
+    """Ask until ``check(parsed_json)`` returns without raising; raise ``LLMError`` with every
+    attempt's reason when the retries are spent.
+
+    Whatever the answer makes parsing or ``check`` raise (``ValueError``, but also ``RecursionError``
+    from absurd nesting, or a ``TypeError``/``KeyError`` on an unexpected shape) counts as an invalid
+    answer. The retry echoes at most ``ECHOED_REPLY_CHARS`` of the bad answer back to the model.
+    """
     convo = list(messages)
     reasons = []
     for attempt in range(max_retries + 1):
         text = client.chat(convo, temperature=temperature, seed=None if seed is None else seed + attempt, max_tokens=max_tokens)
         try:
             return check(extract_json(text))
-        except ValueError as exc:  # json.JSONDecodeError and jsonschema errors are ValueErrors here
-            reasons.append(str(exc)[:300])
+        except (ValueError, RecursionError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            reason = clip(str(exc) if not isinstance(exc, RecursionError) else "the JSON is nested too deeply", 300)
+            reasons.append(reason)
             convo = convo + [
-                {"role": "assistant", "content": text},
-                {"role": "user", "content": f"That answer is invalid: {str(exc)[:300]}. Reply with the corrected JSON object only."},
+                {"role": "assistant", "content": clip(text, ECHOED_REPLY_CHARS)},
+                {"role": "user", "content": f"That answer is invalid: {reason}. Reply with the corrected JSON object only."},
             ]
     raise LLMError(f"invalid output after {max_retries + 1} attempts: " + " | ".join(reasons))

@@ -245,6 +245,27 @@ def stable_hash(obj: Any, n: int = 16) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:n]
 
 
+ECHO_LIMIT = 200
+"""How many characters of an untrusted value a message, log line or reason file echoes."""
+
+
+def clip(value: Any, limit: int = ECHO_LIMIT) -> str:
+    """``str(value)`` cut to ``limit`` characters, saying the full length when it was cut."""
+    text = value if isinstance(value, str) else str(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text):,} characters)"
+
+
+def schema_error_text(err: Any, limit: int = ECHO_LIMIT) -> str:
+    """A ``jsonschema.ValidationError``'s message, bounded without losing the reason: its own
+    message starts with the offending value, so a long one is rewritten as value (clipped), keyword
+    and the keyword's value."""
+    if len(err.message) <= limit:
+        return err.message
+    return f"{clip(repr(err.instance), 60)} fails {err.validator!r} ({clip(repr(err.validator_value), 80)})"
+
+
 def _override(obj: Any, values: dict[str, Any], where: str) -> Any:
     known = {f.name: f for f in fields(obj)}
     changes = {}

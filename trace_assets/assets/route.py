@@ -84,6 +84,9 @@ def build_route_assets(settings: Settings) -> list:
         task_splits: dict, base_agent: dict, selected_capabilities: dict, lora_adapter: Any, synthetic_env: Any,
     ) -> Output[dict[str, Any]]:
         """One LoRA trained by the same GRPO directly on the target's train tasks, at equal rollouts."""
+        from sensors import record_worker
+
+        record_worker(context)  # it holds the `train` slot: a killed worker must be reapable
         from trace_assets.envs.splits import TaskPoolEnv
         from trace_assets.route.evaluation import adapter_rollouts
         from trace_assets.train.grpo import GRPOError, GRPOTrainer

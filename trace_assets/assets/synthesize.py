@@ -18,6 +18,7 @@ from resources.models import ModelResource
 from resources.store import TraceStore
 from trace_assets import paths
 from trace_assets.assets.identify import capability_partitions, per_capability_automation
+from trace_assets.identify.capabilities import checked_partition_key
 from trace_assets.envs import get_environment
 from trace_assets.reporting import png_metadata, reward_histogram, to_markdown
 from trace_assets.settings import Settings, stable_hash
@@ -45,7 +46,7 @@ def build_synthesize_assets(settings: Settings) -> list:
         from trace_assets.llm import LLMError
         from trace_assets.synthesize import SyntheticEnv, calibrate, check_spec, isolation, spec_hash
 
-        name = context.partition_key
+        name = checked_partition_key(context.partition_key)  # it becomes a path part below
         target = get_environment(settings.tasks.env)
         wanted = set(capability_spec.get("example_trajectory_ids", []))
         failed = [t for t in store.trajectories(split="train") if t["trajectory_id"] in wanted]

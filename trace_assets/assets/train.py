@@ -18,6 +18,7 @@ from resources.models import ModelResource
 from trace_assets import paths
 from trace_assets.assets.foundation import folder_checksum
 from trace_assets.assets.identify import capability_partitions, per_capability_automation
+from trace_assets.identify.capabilities import checked_partition_key
 from trace_assets.envs import get_environment
 from trace_assets.reporting import png_metadata, to_markdown
 from trace_assets.settings import Settings, stable_hash
@@ -61,7 +62,10 @@ def build_train_assets(settings: Settings) -> list:
         from trace_assets.train.evaluate import EvalConfig, compare_base_and_adapter, promotion
         from trace_assets.train.grpo import GRPOError, GRPOTrainer
 
-        name = context.partition_key
+        from sensors import record_worker
+
+        name = checked_partition_key(context.partition_key)  # it becomes a path part below
+        record_worker(context)  # it holds the `train` slot: a killed worker must be reapable
         if not synthetic_env["calibration"]["passed"]:
             raise Failure(
                 f"lora_adapter[{name}]: its synthetic environment is not calibrated "

@@ -3,21 +3,44 @@
 Capability names come from an analyst (possibly an LLM) and become Dagster partition keys and path
 parts, so ``safe_capability_name`` is the single gate every name passes through: it normalises
 what can be normalised (case, spaces, dashes, accents) and rejects the rest (path traversal,
-empty or over-long names, non-latin scripts, collisions with another capability).
+empty or over-long names, non-latin scripts, collisions with another capability, names the router
+and report reserve, and OS device names). ``checked_partition_key`` applies the same gate where a
+partition key is about to become a path: a key added by hand (UI, API) is not trusted.
+
+Text limits (description, failure modes) are the EnvSpec schema's, so a capability the dictionary
+accepts is always one a synthesizer can write a spec for.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import unicodedata
 from dataclasses import asdict, dataclass, field
+from importlib import resources
 from typing import Any
 
+from trace_assets.route.router import BASE_NAME
 from trace_assets.settings import stable_hash
 
 LABELS = ("NA", "PRESENT", "LACKING")
 NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]{1,47}$")
 MAX_CAPABILITIES = 10
+RESERVED_NAMES = frozenset({BASE_NAME}) | frozenset(
+    {"con", "prn", "aux", "nul"} | {f"{dev}{i}" for dev in ("com", "lpt") for i in range(1, 10)}
+)
+"""``base`` means "no adapter" to the router and the report; the others are Windows device names,
+which cannot be files or folders there."""
+
+
+def _capability_text_limits() -> tuple[int, int, int]:
+    props = json.loads(resources.files("trace_assets.schemas").joinpath("envspec.schema.json").read_text(encoding="utf-8"))
+    props = props["properties"]["capability"]["properties"]
+    return (props["description"]["maxLength"], props["failure_modes"]["items"]["maxLength"],
+            props["failure_modes"]["maxItems"])
+
+
+MAX_DESCRIPTION_CHARS, MAX_FAILURE_MODE_CHARS, MAX_FAILURE_MODES = _capability_text_limits()
 
 
 class CapabilityNameError(ValueError):
@@ -44,9 +67,32 @@ def safe_capability_name(raw: str, existing: set[str] | frozenset[str] = frozens
             f"capability name {raw!r} is not a safe identifier (normalised {text!r}; "
             f"need {NAME_PATTERN.pattern})"
         )
+    if text in RESERVED_NAMES:
+        raise CapabilityNameError(f"capability name {raw!r} is reserved (normalised {text!r}): "
+                                  f"{BASE_NAME!r} means the base model, the others are OS device names")
     if text in existing:
         raise CapabilityNameError(f"capability name {raw!r} collides with existing {text!r}")
     return text
+
+
+def checked_partition_key(key: str) -> str:
+    """``key`` itself if it is a valid capability name exactly as given, else ``CapabilityNameError``.
+
+    Call it where a capability partition key becomes a path part: Dagster accepts any string in
+    ``add_dynamic_partitions`` (``../x``, newlines, 300 characters), so creation-time checks are not
+    enough. Unlike ``safe_capability_name`` nothing is normalised: a key that would need it is not one
+    this pipeline created.
+    """
+    if not isinstance(key, str):
+        raise CapabilityNameError(f"partition key {key!r} is not a string")
+    try:
+        name = safe_capability_name(key)
+    except CapabilityNameError as exc:
+        raise CapabilityNameError(f"partition key {key[:100]!r} is not a valid capability name: {exc}") from None
+    if name != key:
+        raise CapabilityNameError(f"partition key {key[:100]!r} is not a valid capability name "
+                                  f"(it is not in normal form {name!r})")
+    return key
 
 
 @dataclass(frozen=True)
@@ -85,9 +131,24 @@ def validate_dictionary(raw: list[dict[str, Any]]) -> list[Capability]:
     out = []
     for item in raw:
         name = safe_capability_name(item["name"], seen)
+        _check_text_limits(name, item)
         seen.add(name)
         out.append(Capability.from_dict({**item, "name": name}))
     return out
+
+
+def _check_text_limits(name: str, item: dict[str, Any]) -> None:
+    description = item.get("description") or ""
+    if len(description) > MAX_DESCRIPTION_CHARS:
+        raise CapabilityNameError(f"capability {name!r}: description has {len(description):,} characters; "
+                                  f"at most {MAX_DESCRIPTION_CHARS} (the EnvSpec limit)")
+    modes = item.get("failure_modes") or []
+    if len(modes) > MAX_FAILURE_MODES:
+        raise CapabilityNameError(f"capability {name!r}: {len(modes)} failure modes; at most {MAX_FAILURE_MODES}")
+    for i, mode in enumerate(modes):
+        if len(str(mode)) > MAX_FAILURE_MODE_CHARS:
+            raise CapabilityNameError(f"capability {name!r}: failure mode {i} has {len(str(mode)):,} characters; "
+                                      f"at most {MAX_FAILURE_MODE_CHARS} (the EnvSpec limit)")
 
 
 def dictionary_version(capabilities: list[Capability]) -> str:

@@ -18,8 +18,12 @@ from typing import Any
 
 import jsonschema
 
-from trace_assets.identify.capabilities import LABELS, MAX_CAPABILITIES, Capability, CapabilityNameError, Label, validate_dictionary
+from trace_assets.identify.capabilities import (
+    LABELS, MAX_CAPABILITIES, MAX_DESCRIPTION_CHARS, MAX_FAILURE_MODE_CHARS, MAX_FAILURE_MODES, Capability,
+    CapabilityNameError, Label, validate_dictionary,
+)
 from trace_assets.llm import ChatClient, complete_json
+from trace_assets.settings import clip, schema_error_text
 
 PROMPT_VERSION = "v1"
 
@@ -34,8 +38,9 @@ DICTIONARY_SCHEMA = {
                 "required": ["name", "description"],
                 "properties": {
                     "name": {"type": "string"},
-                    "description": {"type": "string", "minLength": 10},
-                    "failure_modes": {"type": "array", "items": {"type": "string"}},
+                    "description": {"type": "string", "minLength": 10, "maxLength": MAX_DESCRIPTION_CHARS},
+                    "failure_modes": {"type": "array", "maxItems": MAX_FAILURE_MODES,
+                                      "items": {"type": "string", "maxLength": MAX_FAILURE_MODE_CHARS}},
                     "example_trajectory_ids": {"type": "array", "items": {"type": "string"}},
                 },
             },
@@ -124,7 +129,7 @@ class LLMAnalyst:
             try:
                 jsonschema.validate(obj, DICTIONARY_SCHEMA)
             except jsonschema.ValidationError as exc:
-                raise ValueError(f"schema: {exc.message} at {list(exc.absolute_path)}") from None
+                raise ValueError(f"schema: {schema_error_text(exc)} at {list(exc.absolute_path)}") from None
             try:
                 return validate_dictionary(obj["capabilities"])
             except CapabilityNameError as exc:
@@ -145,14 +150,16 @@ class LLMAnalyst:
             try:
                 jsonschema.validate(obj, LABELS_SCHEMA)
             except jsonschema.ValidationError as exc:
-                raise ValueError(f"schema: {exc.message}") from None
+                raise ValueError(f"schema: {schema_error_text(exc)}") from None
             got: dict[str, Label] = {}
             for item in obj["labels"]:
                 cap, label = item["capability"], str(item["label"]).upper()
                 if cap not in names:
-                    raise ValueError(f"unknown capability {cap!r}; use only {names}")
+                    raise ValueError(f"unknown capability {clip(cap, 60)!r}; use only {names}")
                 if label not in LABELS:
-                    raise ValueError(f"unknown label {item['label']!r} for {cap}; use one of {list(LABELS)}")
+                    raise ValueError(f"unknown label {clip(item['label'], 50)!r} for {cap}; use one of {list(LABELS)}")
+                if cap in got and got[cap].label != label:  # never resolve a contradiction silently
+                    raise ValueError(f"contradictory labels for {cap}: {got[cap].label} and {label}; give exactly one")
                 got[cap] = Label(trajectory["trajectory_id"], cap, run, label, str(item.get("rationale", ""))[:300])
             missing = [n for n in names if n not in got]
             if missing:

@@ -103,6 +103,8 @@ def _reasons(texts: list[str], semantic: dict[int, str]) -> list[str]:
             continue
         try:
             extract_json(text)
+        except RecursionError:
+            out.append(f"attempt {i + 1}: the JSON is nested too deeply")
         except ValueError as exc:
             out.append(f"attempt {i + 1}: not a JSON object: {str(exc)[:200]}")
     return out

@@ -27,7 +27,7 @@ import jsonschema
 
 from trace_assets.envs.base import Environment
 from trace_assets.envs.splits import SYNTHETIC_SEED_BASE
-from trace_assets.settings import stable_hash
+from trace_assets.settings import schema_error_text, stable_hash
 
 SCHEMA_FILE = "envspec.schema.json"
 SCHEMA_VERSION = "1"
@@ -69,7 +69,7 @@ def schema_errors(spec: Any) -> list[str]:
     out = []
     for err in sorted(_validator().iter_errors(spec), key=lambda e: (list(map(str, e.absolute_path)), e.message)):
         path = "/".join(str(p) for p in err.absolute_path) or "(root)"
-        out.append(f"{path}: {err.message[:200]}")
+        out.append(f"{path}: {schema_error_text(err)}")
     return out
 
 

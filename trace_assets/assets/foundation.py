@@ -202,12 +202,17 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
         Includes imported user trajectories (policy ``base``, split ``train``). Never reads test.
         """
         records = store.trajectories(split="train", policy="base")
+        # An episode the environment broke (a crashed or malformed MCP server, a failing user
+        # simulator) says nothing about the agent: neither D+ nor D-.
+        broken = lambda r: bool((r.get("info") or {}).get("env_error") or (r.get("info") or {}).get("runner_error"))
+        env_errors = [r["trajectory_id"] for r in records if broken(r)]
+        records = [r for r in records if not broken(r)]
         d_plus = sorted(r["trajectory_id"] for r in records if r["success"])
         d_minus = sorted(r["trajectory_id"] for r in records if not r["success"])
         table = success_by_family(records)
         sample = next((r for r in records if not r["success"]), records[0] if records else None)
         metadata: dict[str, Any] = {
-            "n_d_plus": len(d_plus), "n_d_minus": len(d_minus),
+            "n_d_plus": len(d_plus), "n_d_minus": len(d_minus), "n_env_errors": len(env_errors),
             "success_by_family": MetadataValue.md(to_markdown(table)),
         }
         if sample:

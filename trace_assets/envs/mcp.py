@@ -114,6 +114,13 @@ def openai_tools(tools: list[dict[str, Any]], *, hidden: frozenset[str] = frozen
     return out
 
 
+def _leaf(exc: BaseException) -> BaseException:
+    """The first non-group exception inside ``exc`` (anyio task groups wrap what they raise)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
 def _stderr_tail(path: str | None, limit: int = 600) -> str:
     if not path or not os.path.exists(path):
         return ""
@@ -251,7 +258,7 @@ class McpServer:
             async with stdio_client(params, errlog=errlog) as (read, write):
                 spawned = [p.pid for p in psutil.Process().children() if p.pid not in before]
                 conn.pid = spawned[0] if spawned else None
-                async with ClientSession(read, write, read_timeout_seconds=cfg.call_timeout_s, message_handler=on_message) as session:
+                async with ClientSession(read, write, read_timeout_seconds=cfg.start_timeout_s, message_handler=on_message) as session:
                     await session.initialize()
                     listed = await session.list_tools()
                     tools = [t.model_dump(by_alias=True, exclude_none=True) for t in listed.tools]
@@ -259,11 +266,12 @@ class McpServer:
                     conn.session, conn.tools = session, tools
                     ready.set_result(None)
                     await conn.closing.wait()
-        except McpServerError as exc:
-            if not ready.done():
-                ready.set_exception(exc)
-        except BaseException as exc:  # spawn failure, crash during initialize, ...
-            if not ready.done():
+        except BaseException as group:  # spawn failure, crash during initialize, a bad schema, ...
+            exc = _leaf(group)
+            if isinstance(exc, McpServerError):
+                if not ready.done():
+                    ready.set_exception(exc)
+            elif not ready.done():
                 ready.set_exception(McpServerError(f"{cfg.name}: could not start {cfg.command} {' '.join(cfg.args)}: "
                                                    f"{type(exc).__name__}: {exc}{_stderr_tail(cfg.stderr_path)}"))
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
@@ -523,14 +531,18 @@ class McpEnv:
         """Hash of the database after replaying ``task``'s gold actions on a fresh state."""
         from .tau2 import db_hash
 
-        if task.task_id not in self._gold:
+        # Only writes change the database (the server's own write-tool list), so reads are not
+        # replayed, and every task without a write shares the hash of the fresh database.
+        writes = [a for a in task.gold_actions if a["name"] in self.spec.write_tools]
+        cache = task.task_id if writes else "<fresh>"
+        if cache not in self._gold:
             key = self._key("gold")
             self.reset(key, task)
-            for action in task.gold_actions:
+            for action in writes:
                 self.call_isolated(key, action["name"], json.loads(json.dumps(action["arguments"])))
             db = self.read_db(key)
-            self._gold[task.task_id] = None if db is None else db_hash(db)
-        return self._gold[task.task_id]
+            self._gold[cache] = None if db is None else db_hash(db)
+        return self._gold[cache]
 
     def close(self) -> None:
         """Stop the server and remove this environment's scratch states."""

@@ -241,3 +241,12 @@ def test_llm_user_follows_tau2_rules_and_stop_tokens():
         first = server.requests[0]["messages"]
     assert "###STOP###" in first[0]["content"] and "Reason for call:\nChange my flight." in first[0]["content"]
     assert first[1] == {"role": "user", "content": "Hi! How can I help you today?"}
+
+
+def test_confirmations_and_unconfirmed_writes_are_recorded(airline_env):
+    task = next(t for t in _all(airline_env) if t.family == "cancel_reservation")
+    _, asked = airline_env.demonstrate(task, confirm=True)
+    assert asked.info["confirmations"] >= 1 and asked.info["policy_violations"] == [] and asked.reward == 1.0
+    _, rushed = airline_env.demonstrate(task, confirm=False)
+    assert [v["rule"] for v in rushed.info["policy_violations"]] == ["confirm_before_write"] * len(rushed.info["gold_writes"])
+    assert rushed.info["authenticated"] == any(a["name"] == "get_user_details" for a in task.gold_actions)

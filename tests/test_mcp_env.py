@@ -250,3 +250,26 @@ def test_confirmations_and_unconfirmed_writes_are_recorded(airline_env):
     _, rushed = airline_env.demonstrate(task, confirm=False)
     assert [v["rule"] for v in rushed.info["policy_violations"]] == ["confirm_before_write"] * len(rushed.info["gold_writes"])
     assert rushed.info["authenticated"] == any(a["name"] == "get_user_details" for a in task.gold_actions)
+
+
+def test_llm_judge_grades_nl_assertions_and_settings_wire_users():
+    from tests.openai_server import ScriptedOpenAI
+    from trace_assets.envs.tau2 import judge_from_settings, llm_judge, user_factory
+    from trace_assets.llm import ChatClient
+    from trace_assets.settings import UserSettings
+
+    task = _task({"actions": [], "communicate_info": [], "nl_assertions": ["Agent refuses.", "Agent is brief."],
+                  "reward_basis": ["NL_ASSERTION"]})
+    done = Transcript(assistant_texts=["No."], user_texts=["Cancel it.", "###STOP###"], stopped=True)
+    verdict = json.dumps({"results": [{"expectedOutcome": "Agent refuses.", "reasoning": "", "metExpectation": True},
+                                      {"expectedOutcome": "Agent is brief.", "reasoning": "", "metExpectation": False}]})
+    with ScriptedOpenAI(["not json", verdict]) as server:
+        judge = llm_judge(ChatClient(base_url=server.base_url, model="judge"))
+        r = grade(task, done, final_db_hash=None, gold_db_hash=None, judge=judge)
+        assert "user: Cancel it.\nassistant: No." in server.requests[0]["messages"][1]["content"]
+    assert r.info["graded"] == {"NL_ASSERTION": False} and r.reward == 0.0 and r.info["fully_graded"]
+    assert judge_from_settings(UserSettings()) is None
+    assert isinstance(user_factory(UserSettings(kind="llm"))(task), LlmUser)
+    assert isinstance(user_factory(UserSettings())(task), ScriptedUser)
+    with pytest.raises(ValueError, match="kind must be"):
+        user_factory(UserSettings(kind="oracle"))

@@ -118,6 +118,8 @@ class UserSettings:
     base_url: str = "http://127.0.0.1:8000/v1"
     model: str = "demo"
     temperature: float = 0.0
+    judge_base_url: str = ""  # NL assertions are graded only with a judge endpoint; else "not graded"
+    judge_model: str = ""
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ def get_environment(name: str) -> Environment:
 
             return RetailEnv()
         from .mcp import McpEnv
-        from .tau2 import airline_spec, user_factory
+        from .tau2 import airline_spec, judge_from_settings, user_factory
 
-        _CACHE[name] = McpEnv(airline_spec(), user_factory=user_factory())
+        _CACHE[name] = McpEnv(airline_spec(), user_factory=user_factory(), judge=judge_from_settings())
     return _CACHE[name]
 
 

@@ -409,3 +409,70 @@ def user_factory(settings: Any = None) -> Callable[[Task], Any]:
 
     client = ChatClient(base_url=settings.base_url, model=settings.model)
     return lambda task: LlmUser(task, client, temperature=settings.temperature)
+
+
+# ---- the NL-assertion judge (tau2-bench's NLAssertionsEvaluator, through any OpenAI endpoint) --
+
+JUDGE_PROMPT = """TASK
+- You will be given a list of expected outcomes and a conversation that was collected during a test case run.
+- The conversation is between an agent and a customer.
+- Your job is to evaluate whether the agent satisfies each of the expected outcomes.
+- Grade each expected outcome individually.
+
+FORMAT
+- Your response should be a JSON object with the following fields:
+- `reasoning`: a short explanation for your classification
+- `metExpectation`: `true` if the agent satisfies the expected outcomes, `false` otherwise
+- `expectedOutcome`: repeat the expectation from the input that you are grading
+
+Example response structure:
+{
+    "results": [
+        {
+            "expectedOutcome": "<one of the expected outcomes from the input>",
+            "reasoning": "<reasoning trace>",
+            "metExpectation": <false or true>
+        }
+    ]
+}"""
+
+
+def llm_judge(client: Any, *, max_retries: int = 2) -> Judge:
+    """A :data:`Judge` that asks ``client`` (a ``trace_assets.llm.ChatClient``) as tau2-bench's
+    NL-assertion evaluator does; one verdict per assertion, in order. Endpoint failures raise."""
+    from trace_assets.llm import complete_json
+
+    def judge(task: Task, transcript: Transcript, assertions: list[str]) -> list[bool]:
+        # The user/agent turns in order (tool traffic is not shown, as in tau2-bench).
+        turns = [f"user: {transcript.user_texts[0]}"] if transcript.user_texts else []
+        for k, text in enumerate(transcript.assistant_texts):
+            turns.append(f"assistant: {text}")
+            if k + 1 < len(transcript.user_texts):
+                turns.append(f"user: {transcript.user_texts[k + 1]}")
+        user = "conversation:\n" + "\n".join(turns) + "\n\nexpectedOutcomes:\n" + "\n".join(f"- {a}" for a in assertions)
+
+        def check(obj: Any) -> list[bool]:
+            results = obj.get("results") if isinstance(obj, dict) else None
+            if not isinstance(results, list) or len(results) != len(assertions):
+                raise ValueError(f"expected 'results' with {len(assertions)} entries")
+            if not all(isinstance(r, dict) and isinstance(r.get("metExpectation"), bool) for r in results):
+                raise ValueError("every result needs a boolean 'metExpectation'")
+            return [r["metExpectation"] for r in results]
+
+        return complete_json(client, [{"role": "system", "content": JUDGE_PROMPT}, {"role": "user", "content": user}],
+                             check, max_retries=max_retries)
+
+    return judge
+
+
+def judge_from_settings(settings: Any = None) -> Judge | None:
+    """The judge of ``[user] judge_base_url`` / ``judge_model`` (None when no endpoint is set)."""
+    if settings is None:
+        from trace_assets.settings import load_settings
+
+        settings = load_settings().user
+    if not settings.judge_base_url:
+        return None
+    from trace_assets.llm import ChatClient
+
+    return llm_judge(ChatClient(base_url=settings.judge_base_url, model=settings.judge_model or settings.model))

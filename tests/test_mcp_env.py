@@ -273,3 +273,22 @@ def test_llm_judge_grades_nl_assertions_and_settings_wire_users():
     assert isinstance(user_factory(UserSettings())(task), ScriptedUser)
     with pytest.raises(ValueError, match="kind must be"):
         user_factory(UserSettings(kind="oracle"))
+
+
+def test_a_failing_user_simulator_gives_an_error_episode(airline_env):
+    from trace_assets.envs.mcp import McpEpisode
+
+    class BrokenUser(ScriptedUser):
+        kind = "llm"
+
+        def reply(self, agent_text):
+            raise ConnectionError("user endpoint is down")
+
+    task = airline_env.splits["train"][0]
+    episode = McpEpisode(airline_env, task, airline_env._key("broken-user"), BrokenUser(task))
+    airline_env.reset(episode.key, task)
+    episode.initial_messages()
+    with pytest.raises(ConnectionError):
+        episode.user_reply("How can I help?")
+    result = episode.result()
+    assert result.reward == 0.0 and result.info["env_error"].startswith("user simulator: ConnectionError")

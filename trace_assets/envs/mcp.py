@@ -368,7 +368,11 @@ class McpEpisode:
 
     def initial_messages(self) -> list[Message]:
         if self._opening is None:
-            self._opening = self.user.opening()
+            try:
+                self._opening = self.user.opening()
+            except Exception as exc:
+                self.fault = f"user simulator: {type(exc).__name__}: {exc}"
+                raise
             self.transcript.user_texts.append(self._opening)
         return [{"role": "system", "content": self.env.system_prompt()}, {"role": "user", "content": self._opening}]
 
@@ -407,7 +411,11 @@ class McpEpisode:
         self.transcript.assistant_texts.append(text)
         if self.user.done:
             return "", True
-        reply = self.user.reply(text)
+        try:
+            reply = self.user.reply(text)
+        except Exception as exc:  # a user-simulator failure is the environment's, not the agent's
+            self.fault = f"user simulator: {type(exc).__name__}: {exc}"
+            raise
         self.transcript.user_texts.append(reply)
         asked = any(k in text.lower() for k in ("confirm", "(yes/no)", "proceed"))
         self.confirmations += asked

@@ -18,6 +18,7 @@ from trace_assets.envs.mcp import McpSchemaError, McpServer, McpServerConfig, Mc
 from trace_assets.envs.splits import make_splits
 from trace_assets.envs.tau2 import LlmUser, ScriptedUser, Tau2FormatError, Transcript, grade, load_tasks
 
+pytest.importorskip("mcp")
 FAKE_SERVER = str(Path(__file__).with_name("fake_mcp_server.py"))
 GRADABLE_WITHOUT_LLM = {"DB", "ACTION", "COMMUNICATE"}
 CLOSING = "Is there anything else I can help you with?"

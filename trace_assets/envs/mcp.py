@@ -569,11 +569,16 @@ class McpEnv:
         return self._gold[cache]
 
     def close(self) -> None:
-        """Stop the server and remove this environment's scratch states."""
+        """Stop the server and remove this environment's scratch states (and forget this
+        environment in the registry's cache, so the next ``get_environment`` makes a fresh one)."""
         import shutil
+
+        from . import _CACHE
 
         self.server.stop()
         shutil.rmtree(self.work_dir, ignore_errors=True)
+        if _CACHE.get(self.name) is self:
+            del _CACHE[self.name]
 
     def _new_slot(self) -> int:
         self._slots += 1

@@ -293,3 +293,33 @@ def test_a_failing_user_simulator_gives_an_error_episode(airline_env):
         episode.user_reply("How can I help?")
     result = episode.result()
     assert result.reward == 0.0 and result.info["env_error"].startswith("user simulator: ConnectionError")
+
+
+def test_a_server_that_died_between_calls_is_restarted_before_the_next(fake_server):
+    fake_server.call("echo", {})
+    restarts, pid = fake_server.restarts, fake_server.pid
+    os.kill(pid, signal.SIGKILL)
+    for _ in range(50):  # until the kernel has reported the death
+        if not fake_server.alive:
+            break
+        import time
+
+        time.sleep(0.05)
+    assert not fake_server.alive
+    assert json.loads(fake_server.call("echo", {"text": "x"}).text) == {"echo": {"text": "x"}}
+    assert fake_server.restarts == restarts + 1 and fake_server.pid != pid
+
+
+def test_an_episode_whose_server_was_restarted_is_an_error_even_if_the_call_succeeds(airline_env):
+    import time
+
+    task = airline_env.splits["train"][1]
+    episode = airline_env.start(task)
+    os.kill(airline_env.server.pid, signal.SIGKILL)
+    while airline_env.server.alive:
+        time.sleep(0.05)
+    with pytest.raises(McpServerError, match="the server was restarted during this episode"):
+        episode.call_tool("get_user_details", {"user_id": "emma_kim_9957"})
+    assert "restarted" in episode.result().info["env_error"]
+    fresh = airline_env.start(task)  # episodes started after the restart are fine
+    assert json.loads(fresh.call_tool("get_user_details", {"user_id": "emma_kim_9957"}))["user_id"] == "emma_kim_9957"

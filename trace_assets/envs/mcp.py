@@ -160,8 +160,10 @@ class McpServer:
     def start(self) -> None:
         """Start the process (if it is not running) and list its tools."""
         with self._lock:
-            if self._conn is not None and not self._conn.task.done():
+            if self.alive:
                 return
+            if self._conn is not None and self._loop is not None:  # a dead process: drop its session first
+                self._submit(self._close(), self.config.start_timeout_s, "closing the dead connection")
             self._ensure_loop()
             self._submit(self._open(), self.config.start_timeout_s, "start")
 
@@ -181,7 +183,17 @@ class McpServer:
 
     @property
     def alive(self) -> bool:
-        return self._conn is not None and self._conn.task is not None and not self._conn.task.done()
+        """The connection is up and its process has not exited (checked now, not at the next call)."""
+        if self._conn is None or self._conn.task is None or self._conn.task.done():
+            return False
+        if self._conn.pid is None:
+            return True
+        import psutil
+
+        try:
+            return psutil.Process(self._conn.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
 
     @property
     def pid(self) -> int | None:
@@ -199,6 +211,7 @@ class McpServer:
             if self._conn is not None and not self.alive:
                 self.restarts += 1
                 log.warning("%s: server is not running; restarting it", self.config.name)
+                self._submit(self._close(), self.config.start_timeout_s, "closing the dead connection")
             self.start()
             # The SDK's own read timeout fires first; the outer bound only guards a stuck loop.
             return self._submit(self._call(name, arguments), self.config.call_timeout_s + 10, f"tools/call {name}")
@@ -358,6 +371,7 @@ class McpEpisode:
         from .tau2 import Transcript
 
         self.env, self.task, self.key, self.user = env, task, key, user
+        self.generation = env.server.starts  # which server process holds this episode's state
         self.transcript = Transcript()
         self.tool_errors: list[str] = []
         self.fault: str | None = None
@@ -385,6 +399,8 @@ class McpEpisode:
         else:
             try:
                 reply = self.env.call_isolated(self.key, name, args)
+                if self.env.server.starts != self.generation:  # a restart mid-episode may have lost its state
+                    raise McpServerError(f"{self.env.name}: tools/call {name!r}: the server was restarted during this episode")
             except McpServerError as exc:
                 self.fault = str(exc)
                 raise
@@ -562,8 +578,11 @@ class McpEnv:
         if cache not in self._gold:
             key = self._key("gold")
             self.reset(key, task)
+            generation = self.server.starts
             for action in writes:
                 self.call_isolated(key, action["name"], json.loads(json.dumps(action["arguments"])))
+            if self.server.starts != generation:
+                raise McpServerError(f"{self.name}: the server was restarted while replaying the gold actions of {task.task_id}")
             db = self.read_db(key)
             self._gold[cache] = None if db is None else db_hash(db)
         return self._gold[cache]

@@ -16,8 +16,12 @@ Contracts:
   server wrote a line that is not JSON-RPC, the reply is not a valid ``CallToolResult``, a JSON-RPC
   error (e.g. the server does not know a tool it listed). After such a fault the connection is
   dropped (the process killed); the next call starts a fresh process (``restarts`` counts them).
+* A process that died between calls is noticed (``alive`` checks the process) and restarted
+  before the next call; ``starts`` counts processes, so an episode begun on an earlier process
+  knows its state may be gone.
 * Environments turn :class:`McpServerError` into the rollout runner's error path (the exception
   propagates out of ``Episode.call_tool``), so a bad server is never scored as an agent failure.
+  :class:`McpEpisode` also raises it when the server was restarted under a running episode.
 
 :func:`openai_tools` turns MCP tool declarations into the OpenAI tool schemas agents see, minus
 the server's control tools and its isolation argument (``state_key`` for tau2's server), which

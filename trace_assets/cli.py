@@ -46,6 +46,8 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     from trace_assets.settings import clip
 
+    if getattr(args, "format", "trace") == "tau2":
+        from trace_assets.tau2_results import import_results as import_file  # tau2-bench's results.json
     store = TraceStore()
     failed = 0
     for file in args.files:
@@ -392,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("import", help="validate and import JSONL/Parquet trajectory files")
     p.add_argument("files", nargs="+")
+    p.add_argument("--format", choices=("trace", "tau2"), default="trace",
+                   help="trace: JSONL/Parquet in the trajectory schema; tau2: tau2-bench's results.json")
     p.set_defaults(func=cmd_import)
     p = sub.add_parser("audit", help="print the lineage of one capability's adapter")
     p.add_argument("capability")

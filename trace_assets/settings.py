@@ -106,6 +106,23 @@ class AnalystSettings:
 
 
 @dataclass(frozen=True)
+class UserSettings:
+    """The simulated user of MCP/tau2 environments (``tau2_airline``). ``scripted`` (offline,
+    deterministic, WEAK: it states the reason for the call and the known info, says yes to
+    confirmations and cannot follow the scenario's conditional instructions) or ``llm``: tau2-bench's
+    user-simulation rules through an OpenAI-compatible endpoint (key from ``$TRACE_LLM_API_KEY``).
+    With no other endpoint, ``trace serve``'s demo model can play it (``base_url =
+    "http://127.0.0.1:8000/v1"``, ``model = "demo"``): a 135M user is weaker still."""
+
+    kind: str = "scripted"
+    base_url: str = "http://127.0.0.1:8000/v1"
+    model: str = "demo"
+    temperature: float = 0.0
+    judge_base_url: str = ""  # NL assertions are graded only with a judge endpoint; else "not graded"
+    judge_model: str = ""
+
+
+@dataclass(frozen=True)
 class SelectionSettings:
     """How C* is selected: Delta >= delta and Cov >= rho in at least K of N runs, or a
     significance test on Delta (``method = "ztest"`` or ``"bootstrap"``) at level ``alpha``."""
@@ -197,6 +214,7 @@ class Settings:
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     generation: GenerationSettings = field(default_factory=GenerationSettings)
     analyst: AnalystSettings = field(default_factory=AnalystSettings)
+    user: UserSettings = field(default_factory=UserSettings)
     selection: SelectionSettings = field(default_factory=SelectionSettings)
     synthesis: SynthesisSettings = field(default_factory=SynthesisSettings)
     train: TrainSettings = field(default_factory=TrainSettings)

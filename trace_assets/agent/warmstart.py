@@ -48,13 +48,17 @@ class WarmStartReport:
 
 
 def demonstrations(env: Environment, tasks: Sequence[Task], *, confirm_rate: float, seed: int) -> list[list[Message]]:
-    """One expert conversation per task; a ``1 - confirm_rate`` share skips confirmations."""
-    from trace_assets.envs.retail.expert import demonstrate
+    """One expert conversation per task; a ``1 - confirm_rate`` share skips confirmations.
 
+    The expert is the environment's own ``env.demonstrate(task, confirm=...)`` where it has one
+    (tau2's gold replay), else the retail expert."""
+    from trace_assets.envs.retail.expert import demonstrate as retail_demonstrate
+
+    demonstrate = getattr(env, "demonstrate", None) or (lambda task, confirm: retail_demonstrate(env, task, confirm=confirm))
     rng = random.Random(seed)
     demos = []
     for task in tasks:
-        messages, result = demonstrate(env, task, confirm=rng.random() < confirm_rate)
+        messages, result = demonstrate(task, confirm=rng.random() < confirm_rate)
         if not result.success:
             log.warning("expert demo for %s did not succeed (reward %.2f); kept anyway", task.task_id, result.reward)
         demos.append(messages)

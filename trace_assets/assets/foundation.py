@@ -218,12 +218,17 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
                           "identity of their agent; re-materialize base_trajectories (its stored rows stay in DuckDB, "
                           "new rows are added beside them), then this asset")
         records = store.agent_trajectories(split="train", agent_id=base_trajectories["agent_id"])
+        # An episode the environment broke (a crashed or malformed MCP server, a failing user
+        # simulator) says nothing about the agent: neither D+ nor D-.
+        broken = lambda r: bool((r.get("info") or {}).get("env_error") or (r.get("info") or {}).get("runner_error"))
+        env_errors = [r["trajectory_id"] for r in records if broken(r)]
+        records = [r for r in records if not broken(r)]
         d_plus = sorted(r["trajectory_id"] for r in records if r["success"])
         d_minus = sorted(r["trajectory_id"] for r in records if not r["success"])
         table = success_by_family(records)
         sample = next((r for r in records if not r["success"]), records[0] if records else None)
         metadata: dict[str, Any] = {
-            "n_d_plus": len(d_plus), "n_d_minus": len(d_minus),
+            "n_d_plus": len(d_plus), "n_d_minus": len(d_minus), "n_env_errors": len(env_errors),
             "success_by_family": MetadataValue.md(to_markdown(table)),
         }
         if sample:

@@ -4,6 +4,12 @@ Seeds are drawn without replacement from ``[0, TARGET_SEED_LIMIT)``; synthetic e
 from ``[SYNTHETIC_SEED_BASE, ...)``, so no synthetic task can coincide with a test task. Every family
 gets exactly ``demo_per_family`` / ``train_per_family`` / ``test_per_family`` tasks. The ``test``
 split is for measuring only: nothing in Step 1 reads it.
+
+A benchmark environment with its own split (``env.official_splits()``, e.g. tau2-bench's
+``split_tasks.json``) keeps it: no task ever moves between its train and test. The counts then cap
+what is taken per family, in the file's order: ``demo`` is the first ``demo_per_family`` official
+train tasks of a family (the warm-start demos), ``train`` the next ``train_per_family``, and
+``test`` the first ``test_per_family`` official test tasks.
 """
 
 from __future__ import annotations
@@ -21,6 +27,15 @@ def make_splits(env: Environment, *, demo_per_family: int, train_per_family: int
     """``{"demo": [...], "train": [...], "test": [...]}``, deterministic in ``seed``."""
     counts = {"demo": demo_per_family, "train": train_per_family, "test": test_per_family}
     out: dict[str, list[Task]] = {name: [] for name in SPLITS}
+    official = getattr(env, "official_splits", None)
+    if official is not None:
+        given = official()
+        for family in env.families():
+            train = [t for t in given["train"] if t.family == family]
+            out["demo"].extend(train[:demo_per_family])
+            out["train"].extend(train[demo_per_family : demo_per_family + train_per_family])
+            out["test"].extend([t for t in given["test"] if t.family == family][:test_per_family])
+        return out
     for family in env.families():
         rng = random.Random(f"{seed}:{family}")
         seeds = rng.sample(range(TARGET_SEED_LIMIT), sum(counts.values()))

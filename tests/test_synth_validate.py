@@ -130,7 +130,7 @@ def test_llm_spec_repairs_bad_answers():
     unknown_tool = good_answer()
     unknown_tool["target"]["tools"].append("teleport_user")
     unsatisfiable = good_answer()
-    unsatisfiable["rubric"]["checks"].append({"id": "no_lookups", "kind": "forbidden_call", "weight": 2, "tool": "get_order_details"})
+    unsatisfiable["rubric"]["checks"].append({"id": "transferred", "kind": "required_call", "weight": 2, "tool": "transfer_to_human_agents"})
     renamed = good_answer()
     renamed["capability"] = {"name": "something_else", "description": "the model's own idea"}
     answers = ["Here is my plan: make the agent confirm things. No JSON today.",
@@ -141,13 +141,13 @@ def test_llm_spec_repairs_bad_answers():
     assert len(server.requests) == 4 and len(reasons) == 3
     assert "not a JSON object" in reasons[0]
     assert "teleport_user" in reasons[1]
-    assert "no_lookups" in reasons[2] and "get_order_details" in reasons[2]
+    assert "transferred" in reasons[2] and "transfer_to_human_agents" in reasons[2]
     assert spec["capability"] == {"name": "confirm_before_writing", "description": cap("confirm_before_writing")["description"],
                                   "failure_modes": ["wrote without explicit confirmation"]}
     assert spec["notes"] == "written by the model" and SyntheticEnv(spec, ENV).name == "synthetic_confirm_before_writing"
     # The model saw the schema, the tools and the families, and then each rejection reason.
     prompt = server.requests[0]["messages"][0]["content"]
-    assert "envspec/v1.json" in prompt and "exchange_delivered_order_items" in prompt and "cancel_and_return" in prompt
+    assert "envspec/v2.json" in prompt and "exchange_delivered_order_items" in prompt and "cancel_and_return" in prompt
     assert "1000000" in prompt and "confirm_before_writing" in prompt
     repair = server.requests[2]["messages"][-1]["content"]
     assert "invalid" in repair and "teleport_user" in repair

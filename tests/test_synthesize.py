@@ -49,7 +49,7 @@ def spec():
 
 def test_schema_is_versioned_and_pins_the_seed_base():
     schema = envspec_schema()
-    assert schema["$id"].endswith("/envspec/v1.json") and schema["schema_version"] == "1"
+    assert schema["$id"].endswith("/envspec/v2.json") and schema["schema_version"] == "2"
     assert schema["properties"]["tasks"]["properties"]["seed_range"]["items"]["minimum"] == SYNTHETIC_SEED_BASE
 
 
@@ -87,7 +87,8 @@ GALLERY = [
     ("unknown family", ("tasks", "families", 0, "name"), "rob_the_store", "unknown families ['rob_the_store']"),
     ("empty seed range", ("tasks", "seed_range"), [2_000_000, 2_000_000], "empty"),
     ("extra top-level field", ("code",), "print(1)", "Additional properties are not allowed"),
-    ("wrong schema version", ("schema_version",), "2", "'1' was expected"),
+    ("wrong schema version", ("schema_version",), "3", "'3' is not one of ['1', '2']"),
+    ("v1 with a decision point", ("schema_version",), "1", "may not have 'start' or 'end'"),
     ("unknown target", ("target", "env"), "airline", "'airline' is not one of"),
     ("hint share without hint", ("hint",), None, "no hint text"),
     ("rubric names an unknown tool", ("rubric", "checks", 0), {"kind": "required_call", "weight": 1, "tool": "teleport"},
@@ -334,6 +335,7 @@ def test_no_tool_error_and_tools_outside_the_subset():
 
 
 def test_result_keeps_target_info_and_adds_rubric(spec):
+    spec = {k: v for k, v in spec.items() if k not in ("start", "end")}  # the whole target episode
     env = SyntheticEnv(spec, ENV)
     task = env.make_task("cancel_pending", BASE + 7)
     messages, result = demonstrate(env, task)
@@ -450,22 +452,25 @@ def test_template_spec_is_valid_faithful_and_gold_solvable(name):
 
 def test_template_rubrics_focus_on_their_capability():
     kinds = {rule.name: template_spec(cap(rule.name), ENV) for rule in CATALOGUE}
+    assert all(spec["schema_version"] == "2" and spec["start"]["before"] and spec["end"] for spec in kinds.values())
     confirm = kinds["confirm_before_writing"]
     assert any(c.get("rules") == ["confirm_before_write"] for c in confirm["rubric"]["checks"])
+    assert any(c["kind"] == "asked_confirmation" for c in confirm["rubric"]["checks"])
     assert "cancel_declined" in [f["name"] for f in confirm["tasks"]["families"]]
     assert any(c["kind"] == "forbidden_call" for c in kinds["refuse_forbidden_actions"]["rubric"]["checks"])
     assert any(c["kind"] == "ordering" and c["before"] == "@auth" for c in kinds["authenticate_before_acting"]["rubric"]["checks"])
-    grounded = [c for c in kinds["ground_arguments"]["rubric"]["checks"] if c["kind"] == "required_call"]
-    assert any(any(a.get("grounded") for a in c["args"].values()) for c in grounded)
+    grounded = [c for c in kinds["ground_arguments"]["rubric"]["checks"] if c.get("args")]
+    assert grounded and all(any(a.get("grounded") for a in c["args"].values()) for c in grounded)
     assert {f["name"] for f in kinds["complete_multistep_transactions"]["tasks"]["families"]} == {
         "update_address_everywhere", "cancel_and_return"}
+    assert kinds["complete_multistep_transactions"]["start"]["intent"] == 1
     info = kinds["communicate_results"]["rubric"]["checks"]
     assert max(info, key=lambda c: c["weight"])["kind"] == "info_communicated"
-    # An agent that writes without asking is perfect on the target but not here.
+    # An agent that writes without asking is rewarded by neither the target nor this environment.
     env = SyntheticEnv(confirm, ENV)
     for task in [t for t in env.sample_tasks(8) if t.meta["gold_writes"]][:3]:
         result = demonstrate(env, task, confirm=False)[1]
-        assert result.info["target_reward"] == 1.0 and result.reward < 1.0
+        assert result.reward < 1.0 and result.info["target_reward"] == 0.0
 
 
 def test_template_uses_failed_trajectories_to_weight_families():
@@ -479,16 +484,19 @@ def test_template_uses_failed_trajectories_to_weight_families():
     spec = template_spec(cap("confirm_before_writing"), ENV, failed_trajectories=failed)
     weights = {f["name"]: f["weight"] for f in spec["tasks"]["families"]}
     assert weights["modify_address"] > plain["modify_address"]
-    assert "update_address_everywhere" in weights and "update_address_everywhere" not in plain
+    # A plan's families are where its decision point exists: failures reweight, never add, them.
+    assert "update_address_everywhere" not in weights and "update_address_everywhere" not in plain
+    generic = template_spec(cap("some_new_capability"), ENV, failed_trajectories=failed)
+    assert {f["name"]: f["weight"] for f in generic["tasks"]["families"]}["update_address_everywhere"] > 1.0
     assert weights["return_delivered"] == plain["return_delivered"]  # that failure was not this capability
     assert problems(spec) == [] and gold_solvable(spec, ENV, seeds=1) == []
 
 
 def test_gold_solvable_reports_unsatisfiable_rubrics_and_missing_tools(spec):
     bad = copy.deepcopy(spec)
-    bad["rubric"]["checks"].append({"id": "no_lookups", "kind": "forbidden_call", "weight": 1, "tool": "get_order_details"})
+    bad["rubric"]["checks"].append({"id": "transferred", "kind": "required_call", "weight": 1, "tool": "transfer_to_human_agents"})
     found = gold_solvable(bad, ENV, seeds=1)
-    assert len(found) == len(spec["tasks"]["families"]) and all("no_lookups" in p for p in found)
+    assert len(found) == len(spec["tasks"]["families"]) and all("transferred" in p for p in found)
     narrow = copy.deepcopy(spec)
     narrow["target"]["tools"] = ["find_user_id_by_email", "find_user_id_by_name_zip", "get_order_details", "cancel_pending_order"]
     narrow["tasks"]["families"] = [{"name": "cancel_pending", "weight": 1}, {"name": "return_delivered", "weight": 1}]

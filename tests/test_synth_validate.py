@@ -1,4 +1,4 @@
-"""Step 2 validation: calibration with a scripted policy, isolation with the Step-1 heuristic, and
+"""Step 2 validation: calibration with a scripted policy, isolation against ablated experts, and
 the LLM synthesizer against a real local OpenAI-protocol server with scripted answers."""
 
 from __future__ import annotations
@@ -14,7 +14,17 @@ from trace_assets.envs.base import EpisodeResult
 from trace_assets.envs.retail.expert import demonstrate
 from trace_assets.identify.heuristic import RULES
 from trace_assets.llm import ChatClient, LLMError
-from trace_assets.synthesize import SynthesisError, SyntheticEnv, calibrate, isolation, llm_spec, template_spec
+from trace_assets.envs.retail.expert import ABLATIONS, ADVERSARIES
+from trace_assets.synthesize import (
+    SynthesisError,
+    SyntheticEnv,
+    calibrate,
+    isolation_heatmap,
+    isolation_markdown,
+    isolation_matrix,
+    llm_spec,
+    template_spec,
+)
 from trace_assets.synthesize.llm_synth import render_prompt
 
 ENV = get_environment("retail")
@@ -94,23 +104,52 @@ def test_calibration_needs_informative_groups():
     assert report.rounds[0]["mean_reward"] == 0.5
 
 
-# ---------------------------------------------------------------- isolation
+# ---------------------------------------------------------------- isolation against ablated experts
 
 
-def test_isolation_separates_present_from_lacking():
-    env = SyntheticEnv(template_spec(cap("confirm_before_writing"), ENV), ENV)
-    tasks = [t for t in env.sample_tasks(12) if t.meta["gold_writes"]][:4]
-    good = [demonstrate(env, t)[1] for t in tasks]
-    bad = [demonstrate(env, t, confirm=False)[1] for t in tasks]
-    report = isolation(good + bad, "confirm_before_writing")
-    assert report["n_present"] == len(good) and report["n_lacking"] == len(bad)
-    assert report["mean_present"] == 1.0 and report["gap"] > 0 and report["passed"] is True and report["verdict"] == "pass"
-    only_good = isolation([{"reward": r.reward, "info": r.info} for r in good], "confirm_before_writing")
-    assert only_good["passed"] is None and only_good["verdict"] == "undetermined" and "LACKING" in only_good["note"]
-    inverted = isolation([EpisodeResult(0.0, False, r.info) for r in good] + [EpisodeResult(1.0, True, r.info) for r in bad],
-                         "confirm_before_writing")
-    assert inverted["passed"] is False and inverted["gap"] < 0
-    assert isolation(good, "unknown_capability")["verdict"] == "undetermined"
+@pytest.mark.parametrize("name", list(ABLATIONS))
+def test_isolation_matrix_row_of_every_template_env(name):
+    report = isolation_matrix(template_spec(cap(name), ENV), ENV, seeds=6)
+    assert report["passed"], report["reason"]
+    assert report["method"] == "ablated experts"
+    rows = {r["agent"]: r for r in report["rows"]}
+    assert set(rows) == {"full", *ABLATIONS, *ADVERSARIES} and all(r["n"] == 6 for r in rows.values())
+    assert rows["full"]["success"] == 1.0
+    assert rows[name]["n_acts"] > 0 and rows[name]["success_where_acts"] == 0.0
+    assert all(rows[other]["success"] == 1.0 for other in ABLATIONS if other != name)
+    # Refusing everything and ending at once never solve a decision point that needs an action.
+    assert rows["end_at_once"]["success"] == 0.0 and rows["refuse_everything"]["success"] <= 0.5
+    json.dumps(report)
+
+
+def test_isolation_fails_when_the_env_needs_another_capability_and_weaker_without_ablation():
+    # Exchanges need variant lookups: an expert lacking only ground_arguments cannot execute them.
+    spec = template_spec(cap("execute_requested_action"), ENV)
+    spec["tasks"]["families"] = [{"name": "exchange_delivered", "weight": 1.0}]
+    report = isolation_matrix(spec, ENV, seeds=4)
+    assert not report["passed"] and "lacking only ground_arguments fails it" in report["reason"]
+    # A whole-episode rubric with the write weighted in: the expert lacking confirmation passes it.
+    loose = template_spec(cap("confirm_before_writing"), ENV)
+    loose = {k: v for k, v in loose.items() if k not in ("start", "end")}
+    loose["tasks"]["families"] = [{"name": "cancel_pending", "weight": 1.0}]
+    loose["rubric"]["checks"] = [{"id": "state", "kind": "final_state_match", "weight": 1}]
+    report = isolation_matrix(loose, ENV, seeds=4)
+    assert not report["passed"] and "lacking confirm_before_writing still succeeds on 1.00" in report["reason"]
+    weak = isolation_matrix(template_spec(cap("some_new_capability"), ENV), ENV, seeds=6)
+    assert weak["method"].startswith("weaker") and weak["passed"], weak["reason"]
+    table = isolation_markdown([report, weak])
+    assert "| E_confirm_before_writing |" in table and "(weaker)" in table and "**1.00**" in table
+    png = isolation_heatmap([report, weak])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ablations_are_the_heuristic_failures_on_the_target():
+    """Each ablated expert shows, on target tasks, exactly the failure the Step-1 heuristic names."""
+    tasks = [ENV.make_task(f, s) for f in ENV.families() for s in range(2)]
+    for name in ABLATIONS:
+        labels = [RULES[name].judge(demonstrate(ENV, t, lacking=name)[1].info)[0] for t in tasks]
+        full = [RULES[name].judge(demonstrate(ENV, t)[1].info)[0] for t in tasks]
+        assert "LACKING" in labels and "LACKING" not in full, name
 
 
 # ---------------------------------------------------------------- the LLM synthesizer

@@ -502,3 +502,73 @@ def test_gold_solvable_reports_unsatisfiable_rubrics_and_missing_tools(spec):
     narrow["tasks"]["families"] = [{"name": "cancel_pending", "weight": 1}, {"name": "return_delivered", "weight": 1}]
     found = gold_solvable(narrow, ENV, seeds=1)
     assert len(found) == 1 and found[0].startswith("return_delivered/") and "unknown tool" in found[0]
+
+
+# ---------------------------------------------------------------- decision points and horizons
+
+
+@pytest.mark.parametrize("name", [rule.name for rule in CATALOGUE])
+def test_every_template_env_starts_at_its_decision_point(name):
+    from trace_assets.envs.retail.expert import next_move
+
+    spec = template_spec(cap(name), ENV)
+    env = SyntheticEnv(spec, ENV)
+    for task in env.sample_tasks(4):
+        episode = env.start(task)
+        again = env.start(task)
+        assert episode.prefix and episode.prefix == again.prefix  # deterministic from the task
+        messages = episode.initial_messages()
+        assert messages[:2] == [{"role": "system", "content": episode.system_prompt},
+                                {"role": "user", "content": task.scenario["opening"]}]
+        assert messages[2:] == episode.prefix and messages[-1]["role"] in ("user", "tool")
+        move = next_move(task, messages)  # what the expert does next is the decisive move
+        assert move.kind in spec["start"]["before"]
+        assert spec["start"].get("intent") in (None, move.intent)
+        assert spec["start"].get("tool") in (None, (move.call or {}).get("name"))
+        _, result = demonstrate(env, task)
+        assert result.reward == 1.0 and result.success
+        assert result.info["decision_point"]["finished"] or result.info["user_done"]
+        assert result.info["decision_point"]["agent_actions"] <= spec["end"]["max_actions"]
+
+
+def test_only_the_agents_part_is_scored():
+    spec = template_spec(cap("communicate_results"), ENV)
+    env = SyntheticEnv(spec, ENV)
+    task = env.make_task("cancel_pending", BASE + 3)
+    episode = env.start(task)
+    assert any(task.required_info[0] in m.get("content", "") for m in episode.prefix)  # the proposal said it
+    reply, _ = episode.user_reply("Done. Anything else I can help with?")
+    result = episode.result()
+    assert episode.finished and result.reward == 0.0 and "missing" in result.info["rubric"][0]["detail"]
+    told = env.start(task)
+    told.user_reply(f"Order {task.scenario['intents'][0]['order_id']} is cancelled; {task.required_info[0]} will be refunded.")
+    assert told.result().reward == 1.0
+
+
+def test_horizon_ends_after_the_decisive_call():
+    env = SyntheticEnv(template_spec(cap("authenticate_before_acting"), ENV), ENV)
+    task = env.make_task("cancel_pending", BASE + 1)
+    episode = env.start(task)
+    oid = task.scenario["intents"][0]["order_id"]
+    episode.call_tool("get_order_details", {"order_id": oid})  # before authenticating
+    assert episode.finished
+    result = episode.result()
+    assert result.reward == 0.0 and result.info["policy_violations"][0]["rule"] == "auth_before_action"
+    assert result.info["decision_point"] == {"start": {"before": ["authenticate"]}, "prefix_messages": 2, "prefix_calls": 0,
+                                             "agent_actions": 1, "finished": True}
+
+
+def test_v1_specs_stay_readable_and_v2_features_need_v2():
+    v1 = template_spec(cap("some_new_capability"), ENV)
+    v1["schema_version"] = "1"
+    assert problems(v1) == [] and gold_solvable(v1, ENV, seeds=1) == []
+    assert SyntheticEnv(v1, ENV).start(SyntheticEnv(v1, ENV).sample_tasks(1)[0]).prefix == []
+    v1["rubric"]["checks"].append({"id": "asked", "kind": "asked_confirmation", "weight": 1})
+    assert any("needs schema_version '2'" in p for p in problems(v1))
+
+
+def test_a_decision_point_a_family_never_reaches_is_reported():
+    spec = template_spec(cap("ground_arguments"), ENV)
+    spec["tasks"]["families"].append({"name": "cancel_pending", "weight": 1.0})  # no variant lookup there
+    found = gold_solvable(spec, ENV, seeds=1)
+    assert len(found) == 1 and found[0].startswith("cancel_pending/") and "never reaches the decision point" in found[0]

@@ -216,3 +216,17 @@ def test_llm_spec_first_answer_valid_and_failures_in_prompt():
         spec, reasons = llm_spec(cap("confirm_before_writing"), ENV, _client(server), failed_trajectories=failed)
     assert reasons == [] and len(server.requests) == 1 and "traj-7" in server.requests[0]["messages"][0]["content"]
     assert spec == {**good_answer(), "capability": spec["capability"]}
+
+
+def test_llm_spec_emits_decision_point_envs_and_is_held_to_isolation():
+    """The LLM synthesizer is told about decision points and ablations, and its answer must isolate."""
+    leaky = good_answer("execute_requested_action")
+    leaky["tasks"]["families"].append({"name": "exchange_delivered", "weight": 1.0})  # needs variant lookups too
+    fixed = good_answer("execute_requested_action")
+    with ScriptedOpenAI([json.dumps(leaky), json.dumps(fixed)]) as server:
+        spec, reasons = llm_spec(cap("execute_requested_action"), ENV, _client(server), max_retries=1)
+    assert len(reasons) == 1 and "isolation" in reasons[0] and "ground_arguments" in reasons[0]
+    assert spec["start"] == {"before": ["write"], "intent": 0} and spec["schema_version"] == "2"
+    prompt = server.requests[0]["messages"][0]["content"]
+    assert "DECISION POINT" in prompt and "ask_identity, authenticate, lookup, propose, write, report" in prompt
+    assert "lacking execute_requested_action" in prompt and '"start":' in prompt  # the example has one

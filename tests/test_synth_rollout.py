@@ -72,3 +72,25 @@ def test_synthetic_env_through_the_rollout_runner(tokenizer, confirm):
         assert r.result.reward == 0.0 and not r.result.success
         assert RULES["confirm_before_writing"].judge(r.result.info)[0] == "LACKING"
     assert task.scenario["user_id"] in json.dumps(r.messages)
+
+
+def test_hint_swap_keeps_the_expert_prefix_as_prompt(tokenizer):
+    """GRPO re-renders a hinted episode's opening with the plain system prompt: with an expert prefix
+    the opening runs up to the first *generated* assistant message, and the prefix stays unmasked 0."""
+    from trace_assets.train.grpo import swap_system_prompt
+
+    spec = template_spec({"name": "communicate_results", "description": RULES["communicate_results"].description}, ENV)
+    spec["difficulty"]["hint_share"] = 1.0
+    env = SyntheticEnv(spec, ENV)
+    task = env.make_task("order_status", env.seed_range[0] + 1)
+    rollout = run_rollouts(env, [task], TurnScript(tokenizer, ["Order status: see above."]), tokenizer,
+                           RolloutConfig(max_steps=4, max_new_tokens=64, max_context_tokens=8192))[0]
+    assert rollout.stop_reason == "env_done" and rollout.steps == 1
+    swapped = swap_system_prompt(rollout, tokenizer, env.tool_schemas(), ENV.system_prompt())
+    assert swapped.messages[0]["content"] == ENV.system_prompt() and "Hint: " not in tokenizer.decode(swapped.token_ids)
+    prefix = env.start(task).prefix
+    assert swapped.messages[2:2 + len(prefix)] == prefix
+    plain_prompt = tokenizer.decode(swapped.token_ids[:swapped.prompt_len])
+    assert prefix[-1]["content"] in plain_prompt and set(swapped.env_mask[:swapped.prompt_len]) == {0}
+    assert swapped.token_ids[swapped.prompt_len:] == rollout.token_ids[rollout.prompt_len:]
+    assert sum(swapped.env_mask) == sum(rollout.env_mask) > 0

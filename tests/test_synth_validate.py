@@ -109,11 +109,13 @@ def test_calibration_needs_informative_groups():
 
 @pytest.mark.parametrize("name", list(ABLATIONS))
 def test_isolation_matrix_row_of_every_template_env(name):
-    report = isolation_matrix(template_spec(cap(name), ENV), ENV, seeds=6)
+    spec = template_spec(cap(name), ENV)
+    report = isolation_matrix(spec, ENV, seeds=2)
     assert report["passed"], report["reason"]
     assert report["method"] == "ablated experts"
     rows = {r["agent"]: r for r in report["rows"]}
-    assert set(rows) == {"full", *ABLATIONS, *ADVERSARIES} and all(r["n"] == 6 for r in rows.values())
+    n = 2 * len(spec["tasks"]["families"])  # every family, whatever its weight
+    assert set(rows) == {"full", *ABLATIONS, *ADVERSARIES} and all(r["n"] == n for r in rows.values())
     assert rows["full"]["success"] == 1.0
     assert rows[name]["n_acts"] > 0 and rows[name]["success_where_acts"] == 0.0
     assert all(rows[other]["success"] == 1.0 for other in ABLATIONS if other != name)
@@ -126,16 +128,16 @@ def test_isolation_fails_when_the_env_needs_another_capability_and_weaker_withou
     # Exchanges need variant lookups: an expert lacking only ground_arguments cannot execute them.
     spec = template_spec(cap("execute_requested_action"), ENV)
     spec["tasks"]["families"] = [{"name": "exchange_delivered", "weight": 1.0}]
-    report = isolation_matrix(spec, ENV, seeds=4)
+    report = isolation_matrix(spec, ENV, seeds=2)
     assert not report["passed"] and "lacking only ground_arguments fails it" in report["reason"]
     # A whole-episode rubric with the write weighted in: the expert lacking confirmation passes it.
     loose = template_spec(cap("confirm_before_writing"), ENV)
     loose = {k: v for k, v in loose.items() if k not in ("start", "end")}
     loose["tasks"]["families"] = [{"name": "cancel_pending", "weight": 1.0}]
     loose["rubric"]["checks"] = [{"id": "state", "kind": "final_state_match", "weight": 1}]
-    report = isolation_matrix(loose, ENV, seeds=4)
+    report = isolation_matrix(loose, ENV, seeds=2)
     assert not report["passed"] and "lacking confirm_before_writing still succeeds on 1.00" in report["reason"]
-    weak = isolation_matrix(template_spec(cap("some_new_capability"), ENV), ENV, seeds=6)
+    weak = isolation_matrix(template_spec(cap("some_new_capability"), ENV), ENV, seeds=1)
     assert weak["method"].startswith("weaker") and weak["passed"], weak["reason"]
     table = isolation_markdown([report, weak])
     assert "| E_confirm_before_writing |" in table and "(weaker)" in table and "**1.00**" in table
@@ -230,3 +232,18 @@ def test_llm_spec_emits_decision_point_envs_and_is_held_to_isolation():
     prompt = server.requests[0]["messages"][0]["content"]
     assert "DECISION POINT" in prompt and "ask_identity, authenticate, lookup, propose, write, report" in prompt
     assert "lacking execute_requested_action" in prompt and '"start":' in prompt  # the example has one
+
+
+def test_isolation_counts_every_family_whatever_the_calibrated_weights():
+    """A calibrator that tilts the weights toward complex families (allowed cancels) must not hide the
+    forbidden ones from the isolation check: every family is measured."""
+    from trace_assets.synthesize.validate import _step
+
+    spec = template_spec(cap("refuse_forbidden_actions"), ENV)
+    for _ in range(3):
+        spec = _step(spec, "harder")
+    assert SyntheticEnv(spec, ENV).family_weights()["cancel_forbidden"] < 0.25
+    report = isolation_matrix(spec, ENV, seeds=2)
+    assert report["passed"], report["reason"]
+    rows = {r["agent"]: r for r in report["rows"]}
+    assert rows["refuse_forbidden_actions"]["n_acts"] == 2 and rows["refuse_forbidden_actions"]["success_where_acts"] == 0.0

@@ -117,7 +117,7 @@ def _reasons(texts: list[str], semantic: dict[int, str]) -> list[str]:
 
 def llm_spec(capability: dict[str, Any], target_env: Environment, client: ChatClient, *,
              failed_trajectories: Iterable[dict[str, Any]] = (), max_retries: int = 2,
-             solvable_seeds: int = 2, isolation_seeds: int = 6, max_tokens: int = 3000) -> tuple[dict[str, Any], list[str]]:
+             solvable_seeds: int = 2, isolation_seeds: int = 2, max_tokens: int = 3000) -> tuple[dict[str, Any], list[str]]:
     """A validated spec written by the endpoint, and the rejection reasons of earlier attempts."""
     from trace_assets.envs.retail.expert import ABLATIONS
 

@@ -249,7 +249,12 @@ def test_expert_without_confirmation_is_imperfect():
         assert "confirm_before_write" in rules(result)
         pending = make_task("cancel_pending", seed)
         _, result = demonstrate(ENV, pending, confirm=False)
-        assert result.reward == 1.0 and rules(result) == ["confirm_before_write"]
+        # The right final state, but the policy requires a yes before every write.
+        assert result.info["state_match"] and result.info["info_score"] == 1.0
+        assert result.reward == 0.0 and rules(result) == ["confirm_before_write"]
+        checks = {c["id"]: c for c in result.info["checks"]}
+        assert not checks["confirmed_writes"]["passed"] and "without an explicit yes" in checks["confirmed_writes"]["detail"]
+        assert checks["state_match"]["passed"] and checks["info_communicated"]["passed"]
 
 
 # ---- scoring ----------------------------------------------------------------------------------

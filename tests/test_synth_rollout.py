@@ -36,29 +36,61 @@ def _call(name, **arguments):
 
 @pytest.mark.parametrize("confirm", [True, False])
 def test_synthetic_env_through_the_rollout_runner(tokenizer, confirm):
+    """The episode opens at the decision point: the expert's prefix is prompt (env_mask 0), the agent
+    makes the decisive move, and the horizon ends the episode right after the write."""
     spec = template_spec({"name": "confirm_before_writing", "description": RULES["confirm_before_writing"].description}, ENV)
     spec["difficulty"]["hint_share"] = 1.0
     env = SyntheticEnv(spec, ENV)
     task = env.make_task("cancel_pending", env.seed_range[0] + 2)
-    s = task.scenario
     auth, lookup, write = task.gold_actions
     total = task.required_info[0]
-    script = [_call(auth["name"], **auth["arguments"]), _call(lookup["name"], **lookup["arguments"])]
+    script = []
     if confirm:
         script.append(f"I will cancel order {write['arguments']['order_id']} and refund {total}. Do you confirm? (yes/no)")
-    script += [_call(write["name"], **write["arguments"]),
-               f"Order {write['arguments']['order_id']} is cancelled; {total} will be refunded. Anything else I can help with?"]
+    script += [_call(write["name"], **write["arguments"]), "never reached"]
     rollouts = run_rollouts(env, [task], TurnScript(tokenizer, script), tokenizer,
                             RolloutConfig(max_steps=8, max_new_tokens=128, max_context_tokens=8192))
     r = rollouts[0]
-    assert r.error is None and r.stop_reason == "user_done", (r.stop_reason, r.error, r.messages[-3:])
+    assert r.error is None and r.stop_reason == "env_done", (r.stop_reason, r.error, r.messages[-3:])
+    assert r.steps == len(script) - 1
     assert r.messages[0]["content"].startswith(ENV.system_prompt()) and "Hint: " in r.messages[0]["content"]
+    # The prefix: identity asked and given, authenticated, order looked up; all of it is prompt.
+    prefix = env.start(task).prefix
+    assert r.messages[2:2 + len(prefix)] == prefix and [m["role"] for m in prefix] == [
+        "assistant", "user", "assistant", "tool", "assistant", "tool"]
+    prompt = tokenizer.decode(r.token_ids[:r.prompt_len])
+    assert prefix[-1]["content"] in prompt and prompt.endswith("<|im_start|>assistant\n")
+    assert set(r.env_mask[:r.prompt_len]) == {0} and r.env_mask[r.prompt_len] == 1
+    generated = tokenizer.decode([t for t, m in zip(r.token_ids, r.env_mask) if m])
+    assert lookup["arguments"]["order_id"] not in generated.split("cancel_pending_order")[0] or confirm
     assert r.result.info["hinted"] is True and r.result.info["capability"] == "confirm_before_writing"
-    assert r.result.info["target_reward"] == 1.0  # the target does not require confirmation for reward
+    assert r.result.info["decision_point"]["prefix_messages"] == len(prefix) and r.result.info["decision_point"]["finished"]
     if confirm:
         assert r.result.reward == 1.0 and r.result.success
         assert RULES["confirm_before_writing"].judge(r.result.info)[0] == "PRESENT"
     else:
-        assert r.result.reward < 1.0 and not r.result.success
+        assert r.result.reward == 0.0 and not r.result.success
         assert RULES["confirm_before_writing"].judge(r.result.info)[0] == "LACKING"
-    assert s["user_id"] in json.dumps(r.messages)
+    assert task.scenario["user_id"] in json.dumps(r.messages)
+
+
+def test_hint_swap_keeps_the_expert_prefix_as_prompt(tokenizer):
+    """GRPO re-renders a hinted episode's opening with the plain system prompt: with an expert prefix
+    the opening runs up to the first *generated* assistant message, and the prefix stays unmasked 0."""
+    from trace_assets.train.grpo import swap_system_prompt
+
+    spec = template_spec({"name": "communicate_results", "description": RULES["communicate_results"].description}, ENV)
+    spec["difficulty"]["hint_share"] = 1.0
+    env = SyntheticEnv(spec, ENV)
+    task = env.make_task("order_status", env.seed_range[0] + 1)
+    rollout = run_rollouts(env, [task], TurnScript(tokenizer, ["Order status: see above."]), tokenizer,
+                           RolloutConfig(max_steps=4, max_new_tokens=64, max_context_tokens=8192))[0]
+    assert rollout.stop_reason == "env_done" and rollout.steps == 1
+    swapped = swap_system_prompt(rollout, tokenizer, env.tool_schemas(), ENV.system_prompt())
+    assert swapped.messages[0]["content"] == ENV.system_prompt() and "Hint: " not in tokenizer.decode(swapped.token_ids)
+    prefix = env.start(task).prefix
+    assert swapped.messages[2:2 + len(prefix)] == prefix
+    plain_prompt = tokenizer.decode(swapped.token_ids[:swapped.prompt_len])
+    assert prefix[-1]["content"] in plain_prompt and set(swapped.env_mask[:swapped.prompt_len]) == {0}
+    assert swapped.token_ids[swapped.prompt_len:] == rollout.token_ids[rollout.prompt_len:]
+    assert sum(swapped.env_mask) == sum(rollout.env_mask) > 0

@@ -1,4 +1,4 @@
-"""Step 2 validation: calibration with a scripted policy, isolation with the Step-1 heuristic, and
+"""Step 2 validation: calibration with a scripted policy, isolation against ablated experts, and
 the LLM synthesizer against a real local OpenAI-protocol server with scripted answers."""
 
 from __future__ import annotations
@@ -14,7 +14,17 @@ from trace_assets.envs.base import EpisodeResult
 from trace_assets.envs.retail.expert import demonstrate
 from trace_assets.identify.heuristic import RULES
 from trace_assets.llm import ChatClient, LLMError
-from trace_assets.synthesize import SynthesisError, SyntheticEnv, calibrate, isolation, llm_spec, template_spec
+from trace_assets.envs.retail.expert import ABLATIONS, ADVERSARIES
+from trace_assets.synthesize import (
+    SynthesisError,
+    SyntheticEnv,
+    calibrate,
+    isolation_heatmap,
+    isolation_markdown,
+    isolation_matrix,
+    llm_spec,
+    template_spec,
+)
 from trace_assets.synthesize.llm_synth import render_prompt
 
 ENV = get_environment("retail")
@@ -94,23 +104,54 @@ def test_calibration_needs_informative_groups():
     assert report.rounds[0]["mean_reward"] == 0.5
 
 
-# ---------------------------------------------------------------- isolation
+# ---------------------------------------------------------------- isolation against ablated experts
 
 
-def test_isolation_separates_present_from_lacking():
-    env = SyntheticEnv(template_spec(cap("confirm_before_writing"), ENV), ENV)
-    tasks = [t for t in env.sample_tasks(12) if t.meta["gold_writes"]][:4]
-    good = [demonstrate(env, t)[1] for t in tasks]
-    bad = [demonstrate(env, t, confirm=False)[1] for t in tasks]
-    report = isolation(good + bad, "confirm_before_writing")
-    assert report["n_present"] == len(good) and report["n_lacking"] == len(bad)
-    assert report["mean_present"] == 1.0 and report["gap"] > 0 and report["passed"] is True and report["verdict"] == "pass"
-    only_good = isolation([{"reward": r.reward, "info": r.info} for r in good], "confirm_before_writing")
-    assert only_good["passed"] is None and only_good["verdict"] == "undetermined" and "LACKING" in only_good["note"]
-    inverted = isolation([EpisodeResult(0.0, False, r.info) for r in good] + [EpisodeResult(1.0, True, r.info) for r in bad],
-                         "confirm_before_writing")
-    assert inverted["passed"] is False and inverted["gap"] < 0
-    assert isolation(good, "unknown_capability")["verdict"] == "undetermined"
+@pytest.mark.parametrize("name", list(ABLATIONS))
+def test_isolation_matrix_row_of_every_template_env(name):
+    spec = template_spec(cap(name), ENV)
+    report = isolation_matrix(spec, ENV, seeds=2)
+    assert report["passed"], report["reason"]
+    assert report["method"] == "ablated experts"
+    rows = {r["agent"]: r for r in report["rows"]}
+    n = 2 * len(spec["tasks"]["families"])  # every family, whatever its weight
+    assert set(rows) == {"full", *ABLATIONS, *ADVERSARIES} and all(r["n"] == n for r in rows.values())
+    assert rows["full"]["success"] == 1.0
+    assert rows[name]["n_acts"] > 0 and rows[name]["success_where_acts"] == 0.0
+    assert all(rows[other]["success"] == 1.0 for other in ABLATIONS if other != name)
+    # Refusing everything and ending at once never solve a decision point that needs an action.
+    assert rows["end_at_once"]["success"] == 0.0 and rows["refuse_everything"]["success"] <= 0.5
+    json.dumps(report)
+
+
+def test_isolation_fails_when_the_env_needs_another_capability_and_weaker_without_ablation():
+    # Exchanges need variant lookups: an expert lacking only ground_arguments cannot execute them.
+    spec = template_spec(cap("execute_requested_action"), ENV)
+    spec["tasks"]["families"] = [{"name": "exchange_delivered", "weight": 1.0}]
+    report = isolation_matrix(spec, ENV, seeds=2)
+    assert not report["passed"] and "lacking only ground_arguments fails it" in report["reason"]
+    # A whole-episode rubric with the write weighted in: the expert lacking confirmation passes it.
+    loose = template_spec(cap("confirm_before_writing"), ENV)
+    loose = {k: v for k, v in loose.items() if k not in ("start", "end")}
+    loose["tasks"]["families"] = [{"name": "cancel_pending", "weight": 1.0}]
+    loose["rubric"]["checks"] = [{"id": "state", "kind": "final_state_match", "weight": 1}]
+    report = isolation_matrix(loose, ENV, seeds=2)
+    assert not report["passed"] and "lacking confirm_before_writing still succeeds on 1.00" in report["reason"]
+    weak = isolation_matrix(template_spec(cap("some_new_capability"), ENV), ENV, seeds=1)
+    assert weak["method"].startswith("weaker") and weak["passed"], weak["reason"]
+    table = isolation_markdown([report, weak])
+    assert "| E_confirm_before_writing |" in table and "(weaker)" in table and "**1.00**" in table
+    png = isolation_heatmap([report, weak])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ablations_are_the_heuristic_failures_on_the_target():
+    """Each ablated expert shows, on target tasks, exactly the failure the Step-1 heuristic names."""
+    tasks = [ENV.make_task(f, s) for f in ENV.families() for s in range(2)]
+    for name in ABLATIONS:
+        labels = [RULES[name].judge(demonstrate(ENV, t, lacking=name)[1].info)[0] for t in tasks]
+        full = [RULES[name].judge(demonstrate(ENV, t)[1].info)[0] for t in tasks]
+        assert "LACKING" in labels and "LACKING" not in full, name
 
 
 # ---------------------------------------------------------------- the LLM synthesizer
@@ -130,7 +171,7 @@ def test_llm_spec_repairs_bad_answers():
     unknown_tool = good_answer()
     unknown_tool["target"]["tools"].append("teleport_user")
     unsatisfiable = good_answer()
-    unsatisfiable["rubric"]["checks"].append({"id": "no_lookups", "kind": "forbidden_call", "weight": 2, "tool": "get_order_details"})
+    unsatisfiable["rubric"]["checks"].append({"id": "transferred", "kind": "required_call", "weight": 2, "tool": "transfer_to_human_agents"})
     renamed = good_answer()
     renamed["capability"] = {"name": "something_else", "description": "the model's own idea"}
     answers = ["Here is my plan: make the agent confirm things. No JSON today.",
@@ -141,13 +182,13 @@ def test_llm_spec_repairs_bad_answers():
     assert len(server.requests) == 4 and len(reasons) == 3
     assert "not a JSON object" in reasons[0]
     assert "teleport_user" in reasons[1]
-    assert "no_lookups" in reasons[2] and "get_order_details" in reasons[2]
+    assert "transferred" in reasons[2] and "transfer_to_human_agents" in reasons[2]
     assert spec["capability"] == {"name": "confirm_before_writing", "description": cap("confirm_before_writing")["description"],
                                   "failure_modes": ["wrote without explicit confirmation"]}
     assert spec["notes"] == "written by the model" and SyntheticEnv(spec, ENV).name == "synthetic_confirm_before_writing"
     # The model saw the schema, the tools and the families, and then each rejection reason.
     prompt = server.requests[0]["messages"][0]["content"]
-    assert "envspec/v1.json" in prompt and "exchange_delivered_order_items" in prompt and "cancel_and_return" in prompt
+    assert "envspec/v2.json" in prompt and "exchange_delivered_order_items" in prompt and "cancel_and_return" in prompt
     assert "1000000" in prompt and "confirm_before_writing" in prompt
     repair = server.requests[2]["messages"][-1]["content"]
     assert "invalid" in repair and "teleport_user" in repair
@@ -177,3 +218,32 @@ def test_llm_spec_first_answer_valid_and_failures_in_prompt():
         spec, reasons = llm_spec(cap("confirm_before_writing"), ENV, _client(server), failed_trajectories=failed)
     assert reasons == [] and len(server.requests) == 1 and "traj-7" in server.requests[0]["messages"][0]["content"]
     assert spec == {**good_answer(), "capability": spec["capability"]}
+
+
+def test_llm_spec_emits_decision_point_envs_and_is_held_to_isolation():
+    """The LLM synthesizer is told about decision points and ablations, and its answer must isolate."""
+    leaky = good_answer("execute_requested_action")
+    leaky["tasks"]["families"].append({"name": "exchange_delivered", "weight": 1.0})  # needs variant lookups too
+    fixed = good_answer("execute_requested_action")
+    with ScriptedOpenAI([json.dumps(leaky), json.dumps(fixed)]) as server:
+        spec, reasons = llm_spec(cap("execute_requested_action"), ENV, _client(server), max_retries=1)
+    assert len(reasons) == 1 and "isolation" in reasons[0] and "ground_arguments" in reasons[0]
+    assert spec["start"] == {"before": ["write"], "intent": 0} and spec["schema_version"] == "2"
+    prompt = server.requests[0]["messages"][0]["content"]
+    assert "DECISION POINT" in prompt and "ask_identity, authenticate, lookup, propose, write, report" in prompt
+    assert "lacking execute_requested_action" in prompt and '"start":' in prompt  # the example has one
+
+
+def test_isolation_counts_every_family_whatever_the_calibrated_weights():
+    """A calibrator that tilts the weights toward complex families (allowed cancels) must not hide the
+    forbidden ones from the isolation check: every family is measured."""
+    from trace_assets.synthesize.validate import _step
+
+    spec = template_spec(cap("refuse_forbidden_actions"), ENV)
+    for _ in range(3):
+        spec = _step(spec, "harder")
+    assert SyntheticEnv(spec, ENV).family_weights()["cancel_forbidden"] < 0.25
+    report = isolation_matrix(spec, ENV, seeds=2)
+    assert report["passed"], report["reason"]
+    rows = {r["agent"]: r for r in report["rows"]}
+    assert rows["refuse_forbidden_actions"]["n_acts"] == 2 and rows["refuse_forbidden_actions"]["success_where_acts"] == 0.0

@@ -49,7 +49,7 @@ def spec():
 
 def test_schema_is_versioned_and_pins_the_seed_base():
     schema = envspec_schema()
-    assert schema["$id"].endswith("/envspec/v1.json") and schema["schema_version"] == "1"
+    assert schema["$id"].endswith("/envspec/v2.json") and schema["schema_version"] == "2"
     assert schema["properties"]["tasks"]["properties"]["seed_range"]["items"]["minimum"] == SYNTHETIC_SEED_BASE
 
 
@@ -87,7 +87,8 @@ GALLERY = [
     ("unknown family", ("tasks", "families", 0, "name"), "rob_the_store", "unknown families ['rob_the_store']"),
     ("empty seed range", ("tasks", "seed_range"), [2_000_000, 2_000_000], "empty"),
     ("extra top-level field", ("code",), "print(1)", "Additional properties are not allowed"),
-    ("wrong schema version", ("schema_version",), "2", "'1' was expected"),
+    ("wrong schema version", ("schema_version",), "3", "'3' is not one of ['1', '2']"),
+    ("v1 with a decision point", ("schema_version",), "1", "may not have 'start' or 'end'"),
     ("unknown target", ("target", "env"), "airline", "'airline' is not one of"),
     ("hint share without hint", ("hint",), None, "no hint text"),
     ("rubric names an unknown tool", ("rubric", "checks", 0), {"kind": "required_call", "weight": 1, "tool": "teleport"},
@@ -334,6 +335,7 @@ def test_no_tool_error_and_tools_outside_the_subset():
 
 
 def test_result_keeps_target_info_and_adds_rubric(spec):
+    spec = {k: v for k, v in spec.items() if k not in ("start", "end")}  # the whole target episode
     env = SyntheticEnv(spec, ENV)
     task = env.make_task("cancel_pending", BASE + 7)
     messages, result = demonstrate(env, task)
@@ -450,22 +452,25 @@ def test_template_spec_is_valid_faithful_and_gold_solvable(name):
 
 def test_template_rubrics_focus_on_their_capability():
     kinds = {rule.name: template_spec(cap(rule.name), ENV) for rule in CATALOGUE}
+    assert all(spec["schema_version"] == "2" and spec["start"]["before"] and spec["end"] for spec in kinds.values())
     confirm = kinds["confirm_before_writing"]
     assert any(c.get("rules") == ["confirm_before_write"] for c in confirm["rubric"]["checks"])
+    assert any(c["kind"] == "asked_confirmation" for c in confirm["rubric"]["checks"])
     assert "cancel_declined" in [f["name"] for f in confirm["tasks"]["families"]]
     assert any(c["kind"] == "forbidden_call" for c in kinds["refuse_forbidden_actions"]["rubric"]["checks"])
     assert any(c["kind"] == "ordering" and c["before"] == "@auth" for c in kinds["authenticate_before_acting"]["rubric"]["checks"])
-    grounded = [c for c in kinds["ground_arguments"]["rubric"]["checks"] if c["kind"] == "required_call"]
-    assert any(any(a.get("grounded") for a in c["args"].values()) for c in grounded)
+    grounded = [c for c in kinds["ground_arguments"]["rubric"]["checks"] if c.get("args")]
+    assert grounded and all(any(a.get("grounded") for a in c["args"].values()) for c in grounded)
     assert {f["name"] for f in kinds["complete_multistep_transactions"]["tasks"]["families"]} == {
         "update_address_everywhere", "cancel_and_return"}
+    assert kinds["complete_multistep_transactions"]["start"]["intent"] == 1
     info = kinds["communicate_results"]["rubric"]["checks"]
     assert max(info, key=lambda c: c["weight"])["kind"] == "info_communicated"
-    # An agent that writes without asking is perfect on the target but not here.
+    # An agent that writes without asking is rewarded by neither the target nor this environment.
     env = SyntheticEnv(confirm, ENV)
     for task in [t for t in env.sample_tasks(8) if t.meta["gold_writes"]][:3]:
         result = demonstrate(env, task, confirm=False)[1]
-        assert result.info["target_reward"] == 1.0 and result.reward < 1.0
+        assert result.reward < 1.0 and result.info["target_reward"] == 0.0
 
 
 def test_template_uses_failed_trajectories_to_weight_families():
@@ -479,18 +484,91 @@ def test_template_uses_failed_trajectories_to_weight_families():
     spec = template_spec(cap("confirm_before_writing"), ENV, failed_trajectories=failed)
     weights = {f["name"]: f["weight"] for f in spec["tasks"]["families"]}
     assert weights["modify_address"] > plain["modify_address"]
-    assert "update_address_everywhere" in weights and "update_address_everywhere" not in plain
+    # A plan's families are where its decision point exists: failures reweight, never add, them.
+    assert "update_address_everywhere" not in weights and "update_address_everywhere" not in plain
+    generic = template_spec(cap("some_new_capability"), ENV, failed_trajectories=failed)
+    assert {f["name"]: f["weight"] for f in generic["tasks"]["families"]}["update_address_everywhere"] > 1.0
     assert weights["return_delivered"] == plain["return_delivered"]  # that failure was not this capability
     assert problems(spec) == [] and gold_solvable(spec, ENV, seeds=1) == []
 
 
 def test_gold_solvable_reports_unsatisfiable_rubrics_and_missing_tools(spec):
     bad = copy.deepcopy(spec)
-    bad["rubric"]["checks"].append({"id": "no_lookups", "kind": "forbidden_call", "weight": 1, "tool": "get_order_details"})
+    bad["rubric"]["checks"].append({"id": "transferred", "kind": "required_call", "weight": 1, "tool": "transfer_to_human_agents"})
     found = gold_solvable(bad, ENV, seeds=1)
-    assert len(found) == len(spec["tasks"]["families"]) and all("no_lookups" in p for p in found)
+    assert len(found) == len(spec["tasks"]["families"]) and all("transferred" in p for p in found)
     narrow = copy.deepcopy(spec)
     narrow["target"]["tools"] = ["find_user_id_by_email", "find_user_id_by_name_zip", "get_order_details", "cancel_pending_order"]
     narrow["tasks"]["families"] = [{"name": "cancel_pending", "weight": 1}, {"name": "return_delivered", "weight": 1}]
     found = gold_solvable(narrow, ENV, seeds=1)
     assert len(found) == 1 and found[0].startswith("return_delivered/") and "unknown tool" in found[0]
+
+
+# ---------------------------------------------------------------- decision points and horizons
+
+
+@pytest.mark.parametrize("name", [rule.name for rule in CATALOGUE])
+def test_every_template_env_starts_at_its_decision_point(name):
+    from trace_assets.envs.retail.expert import next_move
+
+    spec = template_spec(cap(name), ENV)
+    env = SyntheticEnv(spec, ENV)
+    for task in env.sample_tasks(4):
+        episode = env.start(task)
+        again = env.start(task)
+        assert episode.prefix and episode.prefix == again.prefix  # deterministic from the task
+        messages = episode.initial_messages()
+        assert messages[:2] == [{"role": "system", "content": episode.system_prompt},
+                                {"role": "user", "content": task.scenario["opening"]}]
+        assert messages[2:] == episode.prefix and messages[-1]["role"] in ("user", "tool")
+        move = next_move(task, messages)  # what the expert does next is the decisive move
+        assert move.kind in spec["start"]["before"]
+        assert spec["start"].get("intent") in (None, move.intent)
+        assert spec["start"].get("tool") in (None, (move.call or {}).get("name"))
+        _, result = demonstrate(env, task)
+        assert result.reward == 1.0 and result.success
+        assert result.info["decision_point"]["finished"] or result.info["user_done"]
+        assert result.info["decision_point"]["agent_actions"] <= spec["end"]["max_actions"]
+
+
+def test_only_the_agents_part_is_scored():
+    spec = template_spec(cap("communicate_results"), ENV)
+    env = SyntheticEnv(spec, ENV)
+    task = env.make_task("cancel_pending", BASE + 3)
+    episode = env.start(task)
+    assert any(task.required_info[0] in m.get("content", "") for m in episode.prefix)  # the proposal said it
+    reply, _ = episode.user_reply("Done. Anything else I can help with?")
+    result = episode.result()
+    assert episode.finished and result.reward == 0.0 and "missing" in result.info["rubric"][0]["detail"]
+    told = env.start(task)
+    told.user_reply(f"Order {task.scenario['intents'][0]['order_id']} is cancelled; {task.required_info[0]} will be refunded.")
+    assert told.result().reward == 1.0
+
+
+def test_horizon_ends_after_the_decisive_call():
+    env = SyntheticEnv(template_spec(cap("authenticate_before_acting"), ENV), ENV)
+    task = env.make_task("cancel_pending", BASE + 1)
+    episode = env.start(task)
+    oid = task.scenario["intents"][0]["order_id"]
+    episode.call_tool("get_order_details", {"order_id": oid})  # before authenticating
+    assert episode.finished
+    result = episode.result()
+    assert result.reward == 0.0 and result.info["policy_violations"][0]["rule"] == "auth_before_action"
+    assert result.info["decision_point"] == {"start": {"before": ["authenticate"]}, "prefix_messages": 2, "prefix_calls": 0,
+                                             "agent_actions": 1, "finished": True}
+
+
+def test_v1_specs_stay_readable_and_v2_features_need_v2():
+    v1 = template_spec(cap("some_new_capability"), ENV)
+    v1["schema_version"] = "1"
+    assert problems(v1) == [] and gold_solvable(v1, ENV, seeds=1) == []
+    assert SyntheticEnv(v1, ENV).start(SyntheticEnv(v1, ENV).sample_tasks(1)[0]).prefix == []
+    v1["rubric"]["checks"].append({"id": "asked", "kind": "asked_confirmation", "weight": 1})
+    assert any("needs schema_version '2'" in p for p in problems(v1))
+
+
+def test_a_decision_point_a_family_never_reaches_is_reported():
+    spec = template_spec(cap("ground_arguments"), ENV)
+    spec["tasks"]["families"].append({"name": "cancel_pending", "weight": 1.0})  # no variant lookup there
+    found = gold_solvable(spec, ENV, seeds=1)
+    assert len(found) == 1 and found[0].startswith("cancel_pending/") and "never reaches the decision point" in found[0]

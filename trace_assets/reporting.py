@@ -106,3 +106,28 @@ def reward_histogram(rewards: list[float], *, title: str = "") -> bytes:
     fig.savefig(buf, format="png")
     plt.close(fig)
     return buf.getvalue()
+
+
+def heatmap(values: list[list[float]], rows: list[str], columns: list[str], *, title: str = "") -> bytes:
+    """PNG heatmap of ``values`` in [0, 1] (rows x columns), each cell annotated with its value."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.0 + 0.75 * len(columns), 1.4 + 0.45 * len(rows)), dpi=100)
+    image = ax.imshow(values, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
+    ax.set_xticks(range(len(columns)), columns, rotation=45, ha="right", fontsize=8)
+    ax.set_yticks(range(len(rows)), rows, fontsize=8)
+    for i, row in enumerate(values):
+        for j, value in enumerate(row):
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7)
+    fig.colorbar(image, ax=ax, fraction=0.03)
+    ax.set_title(title, fontsize=9)
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()

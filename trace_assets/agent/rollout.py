@@ -9,7 +9,8 @@ then feeds each turn to its episode:
 * a turn with neither -> ``episode.user_reply(content)`` -> a ``user`` message (omitted when the user
   is done and says nothing); the episode ends when the user is done.
 
-An episode also ends (``stop_reason``) after ``max_steps`` assistant turns (``"max_steps"``); after
+An episode also ends (``stop_reason``) when it says so itself (``"env_done"``: an episode with a
+horizon, e.g. a synthetic environment's ``end``, sets an optional ``finished`` attribute); after ``max_steps`` assistant turns (``"max_steps"``); after
 ``max_errors`` error observations (``"max_errors"``, tau2-bench's rule); when
 the next turn would not fit in ``max_context_tokens`` (prompt + generation prompt +
 ``max_new_tokens``; ``"context"``); when two consecutive turns hit ``max_new_tokens`` without the
@@ -89,7 +90,7 @@ class Rollout:
     truncated: bool = False
     error: str | None = None
     stop_reason: str = ""
-    """One of user_done, max_steps, max_errors, context, length, error."""
+    """One of user_done, env_done, max_steps, max_errors, context, length, error."""
     logprobs: list[float] = field(default_factory=list)
     """Aligned with token_ids: the backend's log-prob on generated tokens, 0.0 elsewhere."""
     assistant_texts: list[str] = field(default_factory=list)
@@ -220,6 +221,8 @@ def _process_turn(live: _Live, text: str, enc: _Encoder, config: RolloutConfig) 
     _append(r, enc.segment(before, r.messages), 0)
     if user_done:
         live.finish("user_done")
+    elif getattr(episode, "finished", False):
+        live.finish("env_done")
     elif r.steps >= config.max_steps:
         live.finish("max_steps")
     elif config.max_errors and live.errors >= config.max_errors:

@@ -2,8 +2,10 @@
 
 The spec is data (``trace_assets/schemas/envspec.schema.json``), written by the configured
 synthesizer, checked for fidelity and gold-solvability, then calibrated on base-agent rollouts at
-the training temperature. A blocking check carries calibration and fidelity, so an environment
-that fails never reaches training. A spec the synthesizer cannot repair fails the run and leaves
+the training temperature, then checked for isolation against ablated experts (the expert lacking
+this capability must fail the environment, the experts lacking any other one must pass it). A
+blocking check carries fidelity, calibration and isolation, so an environment that fails any of
+them never reaches training. A spec the synthesizer cannot repair fails the run and leaves
 the partition's previous materialization intact. Specs are stored content-addressed under
 ``<data>/envs/<capability>/<spec_hash>.json`` and never overwritten.
 """
@@ -35,7 +37,8 @@ def build_synthesize_assets(settings: Settings) -> list:
         automation_condition=per_capability_automation,
         code_version=stable_hash([syn.__dict__, settings.section_hash("rollout")]),
         check_specs=[AssetCheckSpec("calibration_and_fidelity", asset="synthetic_env", blocking=True,
-                                    description="Fidelity to the target, gold-solvable, calibrated reward band.")],
+                                    description="Fidelity to the target, gold-solvable, calibrated reward band, "
+                                                "isolation against ablated experts.")],
     )
     def synthetic_env(
         context: AssetExecutionContext, synthesizer: SynthesizerResource, models: ModelResource,
@@ -44,7 +47,15 @@ def build_synthesize_assets(settings: Settings) -> list:
         """The capability's training environment: an EnvSpec interpreted on the target's machinery."""
         from trace_assets.agent.rollout import RolloutConfig, run_rollouts
         from trace_assets.llm import LLMError
-        from trace_assets.synthesize import SyntheticEnv, calibrate, check_spec, isolation, spec_hash
+        from trace_assets.synthesize import (
+            SyntheticEnv,
+            calibrate,
+            check_spec,
+            isolation_heatmap,
+            isolation_markdown,
+            isolation_matrix,
+            spec_hash,
+        )
 
         name = checked_partition_key(context.partition_key)  # it becomes a path part below
         target = get_environment(settings.tasks.env)
@@ -94,7 +105,7 @@ def build_synthesize_assets(settings: Settings) -> list:
             tmp.write_text(json.dumps(final, indent=2, sort_keys=True))
             tmp.replace(spec_path)
         rollouts = last.get("rollouts", [])
-        iso = isolation([r.result for r in rollouts], name)
+        iso = isolation_matrix(final, target)
         rewards = [r.result.reward for r in rollouts]
         env = SyntheticEnv(final, target)
         sample = max(rollouts, key=lambda r: r.result.reward, default=None)
@@ -109,16 +120,21 @@ def build_synthesize_assets(settings: Settings) -> list:
             "calibration_rounds": len(report.rounds), "calibrated": report.passed, "calibration_rollouts": n_calibration,
             "calibration": MetadataValue.md(to_markdown(__import__("polars").DataFrame(
                 [{k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in r.items()} for r in report.rounds]))),
-            "isolation": MetadataValue.json(iso), "rejected_specs": MetadataValue.json(rejected),
+            "isolation": MetadataValue.json({k: v for k, v in iso.items() if k != "rows"}),
+            "isolation_matrix": MetadataValue.md(isolation_markdown([iso])),
+            "isolation_rows": MetadataValue.json(iso["rows"]), "rejected_specs": MetadataValue.json(rejected),
         }
+        metadata.update(png_metadata(isolation_heatmap([iso], title=f"E_{name}: success of each agent"), "isolation_heatmap"))
         if rewards:
             metadata.update(png_metadata(reward_histogram(rewards, title=f"{name}: last calibration round"), "reward_histogram"))
         if sample is not None:
             metadata["sample_episode"] = MetadataValue.md(render_markdown(sample.messages))
         yield Output(value, data_version=DataVersion(digest), metadata=metadata)
+        passed = report.passed and iso["passed"]
+        reason = f"calibration: {report.reason}; isolation: {iso['reason']}"
         yield AssetCheckResult(
-            check_name="calibration_and_fidelity", passed=report.passed,
-            description=report.reason, metadata={"rounds": MetadataValue.json(report.rounds), "isolation": MetadataValue.json(iso)},
+            check_name="calibration_and_fidelity", passed=passed,
+            description=reason, metadata={"rounds": MetadataValue.json(report.rounds), "isolation": MetadataValue.json(iso)},
         )
 
     return [synthetic_env]

@@ -71,6 +71,10 @@ def build_train_assets(settings: Settings) -> list:
                 f"lora_adapter[{name}]: its synthetic environment is not calibrated "
                 f"({synthetic_env['calibration'].get('reason')}); not training on it."
             )
+        isolation = synthetic_env.get("isolation") or {}
+        if isolation.get("passed") is False:
+            raise Failure(f"lora_adapter[{name}]: its synthetic environment does not isolate the capability "
+                          f"({isolation.get('reason')}); not training on it.")
         spec = json.loads(open(synthetic_env["spec_path"]).read())
         env = SyntheticEnv(spec, get_environment(settings.tasks.env))
         key = stable_hash([synthetic_env["spec_hash"], base_agent.get("checksum") or base_agent["path"], grpo_config.identity()])

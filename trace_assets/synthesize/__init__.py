@@ -3,7 +3,7 @@
 Modules: ``spec`` (the EnvSpec JSON document: schema, fidelity, hash), ``rubric`` (weighted checks with
 partial credit), ``env`` (``SyntheticEnv`` / ``SyntheticEpisode``: the spec interpreted on the target's
 machinery), ``template`` (offline default synthesizer), ``llm_synth`` (LLM synthesizer with bounded
-repair), ``validate`` (fidelity, gold-solvability, calibration, isolation).
+repair), ``validate`` (fidelity, gold-solvability, calibration, isolation against ablated experts).
 
 A spec is data, never code: nothing in it is evaluated or executed.
 """
@@ -12,10 +12,19 @@ from trace_assets.synthesize.env import SyntheticEnv, SyntheticEpisode
 from trace_assets.synthesize.llm_synth import SynthesisError, llm_spec
 from trace_assets.synthesize.spec import SpecError, envspec_schema, fidelity, load_spec, schema_errors, spec_hash, validate_spec
 from trace_assets.synthesize.template import template_spec
-from trace_assets.synthesize.validate import CalibrationReport, calibrate, check_spec, gold_solvable, isolation
+from trace_assets.synthesize.validate import (
+    CalibrationReport,
+    calibrate,
+    check_spec,
+    gold_solvable,
+    isolation_heatmap,
+    isolation_markdown,
+    isolation_matrix,
+)
 
 __all__ = [
     "CalibrationReport", "SpecError", "SynthesisError", "SyntheticEnv", "SyntheticEpisode", "calibrate",
-    "check_spec", "envspec_schema", "fidelity", "gold_solvable", "isolation", "llm_spec", "load_spec",
+    "check_spec", "envspec_schema", "fidelity", "gold_solvable", "isolation_heatmap", "isolation_markdown",
+    "isolation_matrix", "llm_spec", "load_spec",
     "schema_errors", "spec_hash", "template_spec", "validate_spec",
 ]

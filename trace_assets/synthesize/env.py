@@ -20,6 +20,16 @@ Contract (base.Environment / base.Episode, exactly):
   label synthetic rollouts) and adds ``rubric``, ``rubric_reward``, ``target_reward``,
   ``target_success``, ``capability``, ``hinted`` and ``spec_hash``. ``success = reward >=
   rubric.success_threshold`` (default 1.0).
+* Decision points (``spec.start``): ``start(task)`` plays the target's scripted expert
+  (``envs.retail.expert.next_move``, deterministic from the task) in the episode up to, not including,
+  its first move of a kind in ``start.before`` (and of ``start.intent`` / ``start.tool`` when given).
+  ``initial_messages()`` then returns the system message, the user's opening and that prefix: the
+  rollout runner renders it all as the first prompt (env_mask 0, inside ``prompt_len``), so the
+  prefix is context and never trained on. The database, the simulated user and the confirmation
+  state continue from where the expert left them. ``info["decision_point"]`` records the prefix.
+* Horizon (``spec.end``): the episode sets ``finished`` (the runner and ``demonstrate`` stop on it)
+  right after the agent's first call of ``end.after_call`` (successful only with ``ok_only``), after its
+  first plain reply (``after_reply``) or after ``max_actions`` agent actions.
 * The hint is appended to the system message only; ``episode.plain_system_prompt`` is the un-hinted
   prompt, for a trainer that swaps it back before the gradient step.
 """
@@ -37,6 +47,7 @@ from trace_assets.synthesize.spec import (
     difficulty_of,
     fill_text,
     scenario_of,
+    selector_tools,
     spec_hash,
     tool_groups,
     validate_spec,
@@ -145,10 +156,60 @@ class SyntheticEpisode:
             self.system_prompt += "\n\n" + HINT_PREFIX + fill_text(env.spec["hint"], text_slots(task))
         self.calls: list[CallRecord] = []
         self.said: list[str] = []
+        self.prefix: list[Message] = []
+        self.finished = False
+        self._agent_actions = 0
+        self._mark = (0, 0, 0, 0)  # calls, said, violations, confirmations made by the prefix
+        self._end = env.spec.get("end") or {}
+        self._in_prefix = False  # the expert's prefix actions are not the agent's
+        if env.spec.get("start"):
+            self._in_prefix = True
+            self._play_prefix(env.spec["start"])
+            self._in_prefix = False
 
-    def initial_messages(self) -> list[Message]:
+    def _opening(self) -> list[Message]:
         messages = self.target_episode.initial_messages()
         return [{"role": "system", "content": self.system_prompt}] + [m for m in messages if m["role"] != "system"]
+
+    def initial_messages(self) -> list[Message]:
+        return self._opening() + copy.deepcopy(self.prefix)
+
+    def _play_prefix(self, start: dict[str, Any]) -> None:
+        """The expert's conversation up to the decision point (see the module docstring)."""
+        from trace_assets.envs.retail.expert import next_move, play_move
+
+        before, intent, tool = set(start["before"]), start.get("intent"), start.get("tool")
+        messages = self._opening()
+        opening = len(messages)
+        for _ in range(60):
+            move = next_move(self.task, messages)
+            if move is None:
+                break
+            if (move.kind in before and (intent is None or move.intent == intent)
+                    and (tool is None or (move.call or {}).get("name") == tool)):
+                self.prefix = messages[opening:]
+                target = self.target_episode
+                self._mark = (len(self.calls), len(self.said), len(target.policy_violations), target.confirmations)
+                return
+            observation, done = play_move(self, messages, move)
+            if done or (observation or "").startswith("Error:"):
+                break
+        raise ValueError(f"{self.task.task_id}: the expert never reaches the decision point {start} "
+                         "(this family has no such move)")
+
+    def _act(self, name: str | None = None, ok: bool = False, reply: bool = False) -> None:
+        """Count one agent action and apply the horizon (``spec.end``)."""
+        if self._in_prefix:
+            return
+        self._agent_actions += 1
+        end = self._end
+        if name is not None and "after_call" in end and name in selector_tools(end["after_call"], self.env.groups):
+            if ok or not end.get("ok_only"):
+                self.finished = True
+        if reply and end.get("after_reply"):
+            self.finished = True
+        if end.get("max_actions") and self._agent_actions >= end["max_actions"]:
+            self.finished = True
 
     def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
         if name not in self.env.tools:
@@ -157,16 +218,20 @@ class SyntheticEpisode:
             observation = self.target_episode.call_tool(name, arguments)
         self.calls.append(CallRecord(name if isinstance(name, str) else str(name), jsonable(arguments),
                                      not observation.startswith("Error:"), observation))
+        self._act(self.calls[-1].name, self.calls[-1].ok)
         return observation
 
     def malformed_call(self, raw: str, error: str) -> str:
         observation = self.target_episode.malformed_call(raw, error)
         self.calls.append(CallRecord("", raw, False, observation, malformed=True))
+        self._act()
         return observation
 
     def user_reply(self, assistant_text: str) -> tuple[str, bool]:
         self.said.append(assistant_text if isinstance(assistant_text, str) else str(assistant_text))
-        return self.target_episode.user_reply(assistant_text)
+        answer = self.target_episode.user_reply(assistant_text)
+        self._act(reply=True)
+        return answer
 
     def record_assistant_text(self, text: str) -> None:
         """Count ``text`` as said to the user without a user turn (replays)."""
@@ -179,9 +244,11 @@ class SyntheticEpisode:
 
     def result(self) -> EpisodeResult:
         target = self.target_episode.result()
-        trace = Trace(calls=list(self.calls), said=list(self.said),
-                      violations=list(target.info.get("policy_violations", [])),
-                      state_match=bool(target.info.get("state_match")))
+        calls, said, violations, confirmations = self._mark
+        trace = Trace(calls=list(self.calls), said=list(self.said[said:]),
+                      violations=list(target.info.get("policy_violations", []))[violations:],
+                      state_match=bool(target.info.get("state_match")), prefix_calls=calls,
+                      confirmations=int(target.info.get("confirmations", 0)) - confirmations)
         score = evaluate(self.env.spec["rubric"], trace, self.task, self.env.groups, fallback=target.reward)
         info = copy.deepcopy(target.info)
         # Rebuilt from our own log so calls to tools outside the subset keep their place.
@@ -196,6 +263,8 @@ class SyntheticEpisode:
             "capability": self.env.capability,
             "hinted": self.hinted,
             "spec_hash": self.env.spec_hash,
+            "decision_point": {"start": copy.deepcopy(self.env.spec.get("start")), "prefix_messages": len(self.prefix),
+                               "prefix_calls": calls, "agent_actions": self._agent_actions, "finished": self.finished},
         })
         threshold = float(self.env.spec["rubric"].get("success_threshold", 1.0))
         return EpisodeResult(reward=score.reward, success=score.reward >= threshold - 1e-9, info=info)

@@ -1,10 +1,12 @@
 """The LLM synthesizer: an OpenAI-compatible endpoint writes the EnvSpec; we validate and repair.
 
 ``llm_spec(capability, target_env, client, failed_trajectories=(), max_retries=2)`` renders the
-versioned prompt ``prompts/synthesize_v1.md`` (``string.Template``: the schema, the tool names and
-descriptions, the families with their complexity, the capability and its failures, an example spec),
-then runs :func:`trace_assets.llm.complete_json`: each answer must parse as JSON and pass the schema,
-fidelity and gold-solvability; otherwise the model is shown the reasons and asked again, at most
+versioned prompt ``prompts/synthesize_v2.md`` (``string.Template``: the schema, the tool names and
+descriptions, the families with their complexity, the expert's move kinds and ablations, the
+capability and its failures, an example decision-point spec for another capability), then runs
+:func:`trace_assets.llm.complete_json`: each answer must parse as JSON and pass the schema,
+fidelity, gold-solvability and, for a capability with an ablated expert, isolation
+(:func:`~trace_assets.synthesize.validate.isolation_matrix`); otherwise the model is shown the reasons and asked again, at most
 ``max_retries`` more times. The capability block is always the requested capability (the model may
 not rename what it is asked to target).
 
@@ -27,9 +29,9 @@ from trace_assets.llm import ChatClient, LLMError, complete_json, extract_json
 from trace_assets.synthesize.env import family_complexity
 from trace_assets.synthesize.spec import GROUPS, envspec_schema
 from trace_assets.synthesize.template import template_spec
-from trace_assets.synthesize.validate import check_spec
+from trace_assets.synthesize.validate import check_spec, isolation_matrix
 
-PROMPT_VERSION = "v1"
+PROMPT_VERSION = "v2"
 MAX_FAILURES_IN_PROMPT = 8
 
 
@@ -64,7 +66,10 @@ def _failure_lines(failed: Iterable[dict[str, Any]]) -> str:
 
 
 def render_prompt(capability: dict[str, Any], target_env: Environment, failed_trajectories: Iterable[dict[str, Any]] = ()) -> str:
-    example = template_spec({"name": "example_capability", "description": "A generic example capability."}, target_env)
+    from trace_assets.envs.retail.expert import ABLATIONS, MOVE_KINDS
+
+    other = "confirm_before_writing" if capability["name"] != "confirm_before_writing" else "communicate_results"
+    example = template_spec({"name": other, "description": f"An example: {other}."}, target_env)
     tools = "\n".join(f"- {s['function']['name']}: {s['function'].get('description', '')}" for s in target_env.tool_schemas())
     families = "\n".join(f"- {f}: {family_complexity(target_env, f):.1f}" for f in target_env.families())
     cap = {"name": capability["name"], "description": capability.get("description", ""),
@@ -75,6 +80,8 @@ def render_prompt(capability: dict[str, Any], target_env: Environment, failed_tr
         failures=_failure_lines(failed_trajectories),
         tools=tools,
         groups=", ".join(GROUPS),
+        move_kinds=", ".join(MOVE_KINDS),
+        ablations="; ".join(f"lacking {k}: {v}" for k, v in ABLATIONS.items()),
         families=families,
         seed_base=SYNTHETIC_SEED_BASE,
         schema=json.dumps(envspec_schema(), separators=(",", ":")),
@@ -112,8 +119,11 @@ def _reasons(texts: list[str], semantic: dict[int, str]) -> list[str]:
 
 def llm_spec(capability: dict[str, Any], target_env: Environment, client: ChatClient, *,
              failed_trajectories: Iterable[dict[str, Any]] = (), max_retries: int = 2,
-             solvable_seeds: int = 2, max_tokens: int = 3000) -> tuple[dict[str, Any], list[str]]:
+             solvable_seeds: int = 2, isolation_seeds: int = 2, max_tokens: int = 3000) -> tuple[dict[str, Any], list[str]]:
     """A validated spec written by the endpoint, and the rejection reasons of earlier attempts."""
+    from trace_assets.envs.retail.expert import ABLATIONS
+
+    has_ablation = capability["name"] in ABLATIONS
     failed = list(failed_trajectories)
     prompt = render_prompt(capability, target_env, failed)
     recorder = _Recorder(client)
@@ -128,6 +138,9 @@ def llm_spec(capability: dict[str, Any], target_env: Environment, client: ChatCl
             raise ValueError(semantic[attempt])
         spec = {**answer, "capability": cap}
         problems = check_spec(spec, target_env, solvable_seeds)
+        if not problems and has_ablation:
+            report = isolation_matrix(spec, target_env, seeds=isolation_seeds)
+            problems = [] if report["passed"] else [f"isolation: {report['reason']}"]
         if problems:
             semantic[attempt] = "; ".join(problems[:6])[:600]
             raise ValueError(semantic[attempt])

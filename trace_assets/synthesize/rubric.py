@@ -9,6 +9,12 @@ Contract:
 * ``reward = sum(weight * score) / sum(weight)`` over the applicable checks, in [0, 1]. When no
   check applies the reward is the ``fallback`` (the target's own reward), so a rubric never
   invents credit.
+* The agent's part: an episode that starts at a decision point opens with an expert prefix. The
+  checks judge only what the agent did after it (calls from ``Trace.prefix_calls`` on, ``said``,
+  ``violations`` and ``confirmations`` are the agent's own); the prefix's observations still
+  ground arguments and its authentication still counts for ``ordering``.
+* What the agent *said* is read through :func:`~trace_assets.envs.retail.env.spoken_text`: tool
+  output pasted into a message (verbatim, or any JSON object) tells the user nothing.
 * Pure: it reads the trace and the task, never changes them, and runs nothing from the spec.
 """
 
@@ -19,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trace_assets.envs.base import Task
+from trace_assets.envs.retail.env import spoken_text
 from trace_assets.synthesize.spec import fill_text, selector_tools
 
 
@@ -35,12 +42,24 @@ class CallRecord:
 
 @dataclass
 class Trace:
-    """What the rubric reads: calls in order, texts said to the user, recorded violations, state."""
+    """What the rubric reads: calls in order (prefix included), the agent's texts to the user, the
+    policy violations and confirmations of the agent's part, and the final state."""
 
     calls: list[CallRecord]
     said: list[str]
     violations: list[dict[str, str]]
     state_match: bool
+    prefix_calls: int = 0
+    """``calls[:prefix_calls]`` were made by the expert prefix, not by the agent."""
+    confirmations: int = 0
+    """Confirmation questions the user answered during the agent's part."""
+
+    def agent_calls(self) -> list[tuple[int, CallRecord]]:
+        return [(i, c) for i, c in enumerate(self.calls) if i >= self.prefix_calls]
+
+    def spoken(self) -> list[str]:
+        observations = [c.observation for c in self.calls]
+        return [spoken_text(s, observations) for s in self.said]
 
 
 @dataclass(frozen=True)
@@ -106,7 +125,7 @@ def _args_ok(call: CallRecord, constraints: dict[str, Any], index: int, calls: l
 def _matching(check: dict[str, Any], trace: Trace, task: Task, groups: Groups, ok_only: bool) -> list[int]:
     tools = selector_tools(check["tool"], groups)
     constraints = check.get("args") or {}
-    return [i for i, c in enumerate(trace.calls)
+    return [i for i, c in trace.agent_calls()
             if c.name in tools and (c.ok or not ok_only) and _args_ok(c, constraints, i, trace.calls, task)]
 
 
@@ -155,7 +174,7 @@ def _score(check: dict[str, Any], trace: Trace, task: Task, groups: Groups) -> t
     if kind == "info_communicated":
         wanted = task.required_info if check.get("info", "required") == "required" else check["info"]
         wanted = [fill_text(w, text_slots(task)) for w in wanted]
-        said = [s.lower() for s in trace.said]
+        said = [s.lower() for s in trace.spoken()]
         missing = [w for w in wanted if not any(w.lower() in s for s in said)]
         if not wanted:
             return 1.0, "nothing to say"
@@ -168,9 +187,26 @@ def _score(check: dict[str, Any], trace: Trace, task: Task, groups: Groups) -> t
         return (0.0, f"violated {broken[0].get('rule')}: {broken[0].get('detail', '')[:80]}") if broken else (1.0, "no violation")
     if kind == "no_tool_error":
         needles = [n.lower() for n in check.get("contains", [])]
-        errors = [c.observation for c in trace.calls if c.observation.startswith("Error:")]
+        errors = [c.observation for _, c in trace.agent_calls() if c.observation.startswith("Error:")]
         bad = [e for e in errors if not needles or any(n in e.lower() for n in needles)]
         return (0.0, f"tool error: {bad[0][:80]}") if bad else (1.0, "no tool error")
+    if kind == "asked_confirmation":
+        if trace.confirmations:
+            return 1.0, f"the user answered {trace.confirmations} confirmation question(s)"
+        wrote = [i for i, c in trace.agent_calls() if c.ok and c.name in groups["@write"]]
+        if check.get("or_wrote") and wrote:
+            return 1.0, f"no confirmation question, but write #{wrote[0]} was made"
+        return 0.0, "the user was never asked to confirm"
+    if kind == "calls_satisfy":
+        tools = selector_tools(check["tool"], groups)
+        bad = [i for i, c in trace.agent_calls()
+               if c.name in tools and not _args_ok(c, check["args"], i, trace.calls, task)]
+        n = sum(1 for _, c in trace.agent_calls() if c.name in tools)
+        return (0.0, f"call #{bad[0]} {trace.calls[bad[0]].name} breaks {sorted(check['args'])}") if bad else (
+            1.0, f"{n} call(s) of {check['tool']} satisfy {sorted(check['args'])}")
+    if kind == "replied":
+        own = [s for s in trace.spoken() if s.strip()]
+        return (1.0, "answered the user") if own else (0.0, "never told the user anything in its own words")
     raise ValueError(f"unknown check kind {kind!r}")  # fidelity rejects these before any episode
 
 

@@ -2,7 +2,8 @@
 
 Contract:
 
-* A spec is JSON data validated by ``trace_assets/schemas/envspec.schema.json`` (v1). Nothing in it is
+* A spec is JSON data validated by ``trace_assets/schemas/envspec.schema.json`` (v2; a v1 document
+  is read as v2 without ``start``, ``end`` and the v2 check kinds, which fidelity reports in v1). Nothing in it is
   ever evaluated or executed; the only text processing is ``string.Template.safe_substitute`` with
   the whitelisted slots in :data:`TEXT_SLOTS` (see :func:`fill_text`).
 * :func:`schema_errors` reports schema violations as ``"path: message"`` strings; :func:`fidelity`
@@ -30,9 +31,10 @@ from trace_assets.envs.splits import SYNTHETIC_SEED_BASE
 from trace_assets.settings import schema_error_text, stable_hash
 
 SCHEMA_FILE = "envspec.schema.json"
-SCHEMA_VERSION = "1"
-CHECK_KINDS = ("required_call", "ordering", "forbidden_call", "final_state_match", "info_communicated",
-               "no_policy_violation", "no_tool_error")
+SCHEMA_VERSION = "2"
+V1_CHECK_KINDS = ("required_call", "ordering", "forbidden_call", "final_state_match", "info_communicated",
+                  "no_policy_violation", "no_tool_error")
+CHECK_KINDS = V1_CHECK_KINDS + ("asked_confirmation", "calls_satisfy", "replied")
 KNOBS = ("hint_share", "volunteer_identity", "distractor_orders", "family_bias")
 DEFAULT_DIFFICULTY: dict[str, Any] = {"hint_share": 0.0, "volunteer_identity": 0.0, "distractor_orders": 0,
                                       "family_bias": 0.0, "frozen": []}
@@ -69,6 +71,10 @@ def schema_errors(spec: Any) -> list[str]:
     out = []
     for err in sorted(_validator().iter_errors(spec), key=lambda e: (list(map(str, e.absolute_path)), e.message)):
         path = "/".join(str(p) for p in err.absolute_path) or "(root)"
+        if err.validator == "not" and path == "(root)":  # the schema's only root-level "not": v1 vs v2
+            out.append("(root): a schema_version '1' spec may not have 'start' or 'end'; decision points "
+                       "and horizons need schema_version '2'")
+            continue
         out.append(f"{path}: {schema_error_text(err)}")
     return out
 
@@ -134,6 +140,20 @@ def fidelity(spec: dict[str, Any], target_env: Environment) -> list[str]:
     policy = spec.get("policy")
     if policy != "inherit" and policy != target_env.system_prompt():
         problems.append("policy must be 'inherit' or the exact target system prompt; a changed policy breaks fidelity")
+
+    version = spec.get("schema_version")
+    for i, check in enumerate(spec.get("rubric", {}).get("checks", [])):
+        if version == "1" and check.get("kind") in CHECK_KINDS and check.get("kind") not in V1_CHECK_KINDS:
+            problems.append(f"rubric.checks[{i}]: check kind {check['kind']!r} needs schema_version '2' (this spec says '1')")
+    start_tool = (spec.get("start") or {}).get("tool")
+    if start_tool is not None and start_tool not in known:
+        problems.append(f"start.tool names unknown tool {start_tool!r}")
+    after_call = (spec.get("end") or {}).get("after_call")
+    for item in ([after_call] if isinstance(after_call, str) else list(after_call or [])):
+        if item.startswith("@") and item not in GROUPS:
+            problems.append(f"end.after_call names unknown tool group {item!r}; known: {list(GROUPS)}")
+        elif not item.startswith("@") and item not in known:
+            problems.append(f"end.after_call names unknown tool {item!r}")
 
     tasks = spec.get("tasks", {})
     families = [f.get("name") for f in tasks.get("families", [])]

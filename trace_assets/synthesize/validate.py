@@ -8,8 +8,15 @@
 * :func:`calibrate`: rolls out ``seeds`` tasks x ``k`` samples with the caller's ``rollout_fn`` and
   turns the difficulty knobs until mean reward and success rate lie in ``band`` and at least
   ``min_informative`` of the groups have non-constant rewards; every round is recorded.
-* :func:`isolation`: labels synthetic rollouts with the Step-1 heuristic rule of the capability and
-  compares the mean reward where the capability is PRESENT with where it is LACKING.
+* :func:`isolation_matrix`: plays the target's expert with each capability ablated
+  (``expert.demonstrate(..., lacking=c')``) and each adversarial scripted agent on the environment's
+  tasks. The environment of c isolates c when the expert lacking c fails it (success at most
+  ``bounds[0]`` on the tasks where the ablation changes what the expert does) and the full expert and
+  every expert lacking another capability pass it (success at least ``bounds[1]``). This is measured
+  against behaviour, not against an analyst's labels (the earlier measure, reward where the Step-1
+  heuristic says PRESENT minus where it says LACKING, was circular: the rubric rewards exactly what
+  the heuristic checks). A capability with no ablated expert gets a weaker measure: the full expert
+  must pass and every adversary must score at most ``WEAK_ADVERSARY_BOUND``; ``method`` says which.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ from trace_assets.envs.base import Environment, Task
 from trace_assets.synthesize.env import SyntheticEnv
 from trace_assets.synthesize.spec import KNOBS, SpecError, difficulty_of, fidelity, schema_errors
 
-__all__ = ["CalibrationReport", "calibrate", "fidelity", "gold_solvable", "isolation"]
+__all__ = ["CalibrationReport", "calibrate", "fidelity", "gold_solvable", "isolation_heatmap", "isolation_markdown",
+           "isolation_matrix"]
 
 
 # ---- gold-solvability ------------------------------------------------------------------------
@@ -176,39 +184,111 @@ def calibrate(spec: dict[str, Any], target_env: Environment, rollout_fn: Rollout
 
 # ---- isolation ---------------------------------------------------------------------------------
 
+ISOLATION_BOUNDS = (0.2, 0.8)
+"""(most success of the expert lacking c, least success of every other expert) for a pass."""
+WEAK_ADVERSARY_BOUND = 0.5
+ABLATED = "ablated experts"
+WEAKER = ("weaker: no ablated expert for this capability; measured instead: the full expert passes and "
+          "every adversarial scripted agent scores low")
 
-def isolation(results_with_info: Iterable[Any], capability_name: str) -> dict[str, Any]:
-    """Mean reward where the capability is PRESENT vs LACKING (Step-1 heuristic labels).
 
-    ``passed`` is True when the gap (present - lacking) is > 0, False when <= 0, and None
-    ("undetermined") when either side is empty or the capability has no heuristic rule.
+def _play_all(env: SyntheticEnv, tasks: list[Task], **how: Any) -> list[tuple[list[dict[str, Any]], Any]]:
+    from trace_assets.envs.retail.expert import demonstrate
+
+    return [demonstrate(env, task, **how) for task in tasks]
+
+
+def _row(name: str, kind: str, played: list[tuple[list[dict[str, Any]], Any]], full: list[tuple[list[dict[str, Any]], Any]]) -> dict[str, Any]:
+    acts = [messages != full_messages for (messages, _), (full_messages, _) in zip(played, full)]
+    results = [result for _, result in played]
+    acting = [r for r, a in zip(results, acts) if a]
+    return {
+        "agent": name, "kind": kind, "n": len(results),
+        "mean_reward": round(sum(r.reward for r in results) / len(results), 4),
+        "success": round(sum(r.success for r in results) / len(results), 4),
+        "n_acts": len(acting),
+        "success_where_acts": round(sum(r.success for r in acting) / len(acting), 4) if acting else None,
+    }
+
+
+def isolation_matrix(spec: dict[str, Any], target_env: Environment, *, seeds: int | Iterable[int] = 3,
+                     bounds: tuple[float, float] = ISOLATION_BOUNDS) -> dict[str, Any]:
+    """This environment's row of the isolation matrix and its verdict (see the module docstring).
+
+    The tasks: every spec family on ``seeds`` (synthetic seeds, or a count from the start of the
+    range), whatever the family weights, so that a family the calibrator tilts away from still counts.
+
+    Returns ``{"capability", "method", "passed", "reason", "bounds", "rows"}``; each row is
+    ``{"agent", "kind" (full / lacking / adversary), "n", "mean_reward", "success", "n_acts",
+    "success_where_acts"}`` where ``n_acts`` counts the tasks on which that agent's conversation
+    differs from the full expert's.
     """
-    from trace_assets.identify.heuristic import RULES
+    from trace_assets.envs.retail.expert import ABLATIONS, ADVERSARIES
 
-    rule = RULES.get(capability_name)
-    by_label: dict[str, list[float]] = {"PRESENT": [], "LACKING": [], "NA": []}
-    if rule is not None:
-        for item in results_with_info:
-            info = item["info"] if isinstance(item, dict) else item.info
-            reward = float(item["reward"] if isinstance(item, dict) else item.reward)
-            by_label[rule.judge(info)[0]].append(reward)
-    present, lacking = by_label["PRESENT"], by_label["LACKING"]
-    mean_present = sum(present) / len(present) if present else None
-    mean_lacking = sum(lacking) / len(lacking) if lacking else None
-    if rule is None:
-        verdict, gap, passed = "undetermined", None, None
-        note = f"no heuristic rule for {capability_name!r}"
-    elif mean_present is None or mean_lacking is None:
-        verdict, gap, passed = "undetermined", None, None
-        note = "no rollout where the capability is " + ("PRESENT" if mean_present is None else "LACKING")
+    env = SyntheticEnv(spec, target_env)
+    start, end = env.seed_range
+    seed_list = list(range(start, min(end, start + seeds))) if isinstance(seeds, int) else list(seeds)
+    tasks = [env.make_task(family, seed) for family in env.families() for seed in seed_list]
+    full = _play_all(env, tasks)
+    rows = [_row("full", "full", full, full)]
+    rows += [_row(c, "lacking", _play_all(env, tasks, lacking=c), full) for c in ABLATIONS]
+    rows += [_row(a, "adversary", _play_all(env, tasks, policy=p), full) for a, p in ADVERSARIES.items()]
+    low, high = bounds
+    name = env.capability
+    by = {r["agent"]: r for r in rows}
+    problems = []
+    if by["full"]["success"] < high:
+        problems.append(f"the full expert succeeds on only {by['full']['success']:.2f} < {high}")
+    if name in ABLATIONS:
+        method = ABLATED
+        own = by[name]
+        if not own["n_acts"]:
+            problems.append(f"the expert lacking {name} behaves like the full expert on every task")
+        elif own["success_where_acts"] > low:
+            problems.append(f"the expert lacking {name} still succeeds on {own['success_where_acts']:.2f} > {low} "
+                            f"of the {own['n_acts']} tasks where it acts differently")
+        for other in ABLATIONS:
+            if other != name and by[other]["success"] < high:
+                problems.append(f"the expert lacking only {other} fails it (success {by[other]['success']:.2f} < {high})")
     else:
-        gap = mean_present - mean_lacking
-        passed = gap > 0
-        verdict = "pass" if passed else "fail"
-        note = f"reward is {gap:+.2f} higher where the capability is present"
-    return {"capability": capability_name, "n_present": len(present), "n_lacking": len(lacking),
-            "n_na": len(by_label["NA"]), "mean_present": mean_present, "mean_lacking": mean_lacking,
-            "gap": gap, "passed": passed, "verdict": verdict, "note": note}
+        method = WEAKER
+        for adversary in ADVERSARIES:
+            if by[adversary]["success"] > WEAK_ADVERSARY_BOUND:
+                problems.append(f"adversary {adversary} succeeds on {by[adversary]['success']:.2f} > {WEAK_ADVERSARY_BOUND}")
+    return {"capability": name, "method": method, "passed": not problems,
+            "reason": "; ".join(problems) if problems else f"isolates {name} ({method})",
+            "bounds": list(bounds), "n_tasks": len(tasks), "rows": rows}
+
+
+def isolation_markdown(reports: Sequence[dict[str, Any]]) -> str:
+    """The isolation matrix as a markdown table: one row per environment, one column per agent
+    (success; where the agent is the ablation of the row's own capability, its success on the tasks
+    where the ablation acts), and the verdict."""
+    agents = [r["agent"] for r in reports[0]["rows"]] if reports else []
+    head = "| environment | " + " | ".join(agents) + " | isolates |\n|" + "---|" * (len(agents) + 2)
+    lines = [head]
+    for report in reports:
+        cells = []
+        for row in report["rows"]:
+            own = row["agent"] == report["capability"]
+            value = row["success_where_acts"] if own and row["success_where_acts"] is not None else row["success"]
+            cells.append(f"**{value:.2f}**" if own else f"{value:.2f}")
+        verdict = ("yes" if report["passed"] else "NO") + ("" if report["method"] == ABLATED else " (weaker)")
+        lines.append(f"| E_{report['capability']} | " + " | ".join(cells) + f" | {verdict} |")
+    return "\n".join(lines)
+
+
+def isolation_heatmap(reports: Sequence[dict[str, Any]], *, title: str = "") -> bytes:
+    """PNG heatmap of success per (environment, agent), the cells of :func:`isolation_markdown`."""
+    from trace_assets.reporting import heatmap
+
+    agents = [r["agent"] for r in reports[0]["rows"]]
+    values = []
+    for report in reports:
+        values.append([(r["success_where_acts"] if r["agent"] == report["capability"] and r["success_where_acts"] is not None
+                        else r["success"]) for r in report["rows"]])
+    return heatmap(values, [f"E_{r['capability']}" for r in reports], agents,
+                   title=title or "isolation: success of each agent in each environment")
 
 
 def check_spec(spec: dict[str, Any], target_env: Environment, seeds: int | Iterable[int] = 2) -> list[str]:

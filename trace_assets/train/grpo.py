@@ -378,7 +378,11 @@ def swap_system_prompt(rollout: Rollout, tokenizer: Any, tools: list[dict[str, A
     Everything after ``prompt_len`` (generated and environment tokens) is kept as it is; the old
     log-probs of the generated tokens therefore remain those sampled under the hinted prompt.
     """
-    first_reply = next((i for i, m in enumerate(rollout.messages) if m.get("role") == "assistant"), len(rollout.messages))
+    # The opening ends at the first *generated* assistant message: an episode that starts at a
+    # decision point opens with assistant messages of its own (an expert prefix, all prompt).
+    assistants = [i for i, m in enumerate(rollout.messages) if m.get("role") == "assistant"]
+    prefix = len(assistants) - len(rollout.assistant_texts)
+    first_reply = assistants[prefix] if 0 <= prefix < len(assistants) else len(rollout.messages)
     opening = rollout.messages[:first_reply]
     if not opening or opening[0].get("role") != "system":
         raise ValueError(f"{rollout.task.task_id}: the conversation does not open with a system message")

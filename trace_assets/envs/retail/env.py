@@ -1,19 +1,27 @@
 """``RetailEnv`` and ``RetailEpisode``: the built-in target environment behind base.py's protocols.
 
-Scoring (tau2-bench style, binary): ``reward = state_match * info_score`` where ``state_match``
-says the final database hash equals the task's ``expected_state_hash`` and ``info_score`` is 1
-when every ``required_info`` string occurs (case-insensitively) in some plain assistant message
-(the texts passed to ``user_reply``, or to ``record_assistant_text``), else 0.
+Scoring (tau2-bench style, binary): ``reward = state_match * info_score * confirmed_writes``:
 
-Confirmation is recorded, not enforced: a successful write made when the last user message was
-not an explicit yes to a confirmation question adds a ``confirm_before_write`` violation. One yes
-covers one write.
+* ``state_match``: the final database hash equals the task's ``expected_state_hash``;
+* ``info_score``: 1 when every ``required_info`` string occurs (case-insensitively) in what the
+  agent *told* the user (:func:`spoken_text`: the plain assistant messages passed to
+  ``user_reply`` or ``record_assistant_text``, with every verbatim tool observation and every
+  JSON object cut out), else 0. Pasting a tool result to the user therefore says nothing;
+* ``confirmed_writes``: 1 when no successful write was made without an explicit yes (the policy
+  requires confirmation before every write), else 0.
+
+``info["checks"]`` gives the per-check breakdown (id, passed, detail), so a reward of 0 says why.
+
+Confirmation is not enforced by the tools: a successful write made when the last user message was
+not an explicit yes to a confirmation question adds a ``confirm_before_write`` violation (and
+zeroes ``confirmed_writes``). One yes covers one write.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 from importlib import resources
 from typing import Any
 
@@ -22,6 +30,25 @@ from .db import generate_db
 from .tasks import FAMILIES, make_task
 from .tools import TOOL_SCHEMAS, WRITE_TOOLS, Session, run_tool
 from .user import ScriptedUser
+
+MIN_ECHO_CHARS = 12
+"""Tool observations at least this long are cut out of a message when they appear in it verbatim
+(shorter ones, like a bare user id, are ordinary words of an answer)."""
+_JSON_OBJECT = re.compile(r"\{[^{}]*\}")
+
+
+def spoken_text(text: str, observations: list[str]) -> str:
+    """What ``text`` tells the user in its own words: ``text`` without any verbatim tool
+    observation (of at least :data:`MIN_ECHO_CHARS` characters) and without JSON objects."""
+    out = text
+    for observation in sorted({o for o in observations if len(o) >= MIN_ECHO_CHARS}, key=len, reverse=True):
+        out = out.replace(observation, " ")
+    while True:  # innermost objects first, so nested JSON goes entirely
+        cut = _JSON_OBJECT.sub(lambda m: " " if '"' in m.group(0) or ":" in m.group(0) else m.group(0), out)
+        if cut == out:
+            return out
+        out = cut
+
 
 ROLE = "You are a retail customer service agent. Use the tools and follow this policy."
 
@@ -39,6 +66,7 @@ class RetailEpisode:
         self.user = ScriptedUser(task.scenario, max_turns=max_user_turns)
         self._system_prompt = system_prompt
         self.actions: list[dict[str, Any]] = []
+        self.observations: list[str] = []
         self.tool_errors: list[str] = []
         self.policy_violations: list[dict[str, str]] = []
         self.assistant_texts: list[str] = []
@@ -55,6 +83,7 @@ class RetailEpisode:
 
     def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
         outcome = run_tool(self.session, name, arguments)
+        self.observations.append(outcome.observation)
         self.actions.append({"name": name, "arguments": jsonable(arguments), "ok": outcome.ok})
         if not outcome.ok:
             self.tool_errors.append(outcome.observation)
@@ -86,10 +115,20 @@ class RetailEpisode:
 
     def result(self) -> EpisodeResult:
         state_match = self.session.db.state_hash() == self.task.expected_state_hash
-        said = [text.lower() for text in self.assistant_texts]
+        said = [spoken_text(text, self.observations).lower() for text in self.assistant_texts]
         missing = [info for info in self.task.required_info if not any(info.lower() in t for t in said)]
         info_score = 0.0 if missing else 1.0
-        reward = float(state_match) * info_score
+        unconfirmed = [v["detail"] for v in self.policy_violations if v["rule"] == "confirm_before_write"]
+        reward = float(state_match) * info_score * float(not unconfirmed)
+        checks = [
+            {"id": "state_match", "passed": state_match,
+             "detail": "final state matches the gold replay" if state_match else "final state differs from the gold replay"},
+            {"id": "info_communicated", "passed": not missing,
+             "detail": "told the user every required detail" if not missing
+             else f"not told in the agent's own words (tool output pasted verbatim does not count): {missing}"},
+            {"id": "confirmed_writes", "passed": not unconfirmed,
+             "detail": "every write had an explicit yes" if not unconfirmed else f"wrote without an explicit yes: {unconfirmed[0][:120]}"},
+        ]
         info = {
             "family": self.task.family,
             "state_match": state_match,
@@ -105,6 +144,7 @@ class RetailEpisode:
             "transferred": self.session.transferred,
             "user_turns": self.user.turns,
             "user_done": self.user.done,
+            "checks": checks,
         }
         return EpisodeResult(reward=reward, success=reward == 1.0, info=info)
 
@@ -120,8 +160,8 @@ class RetailEpisode:
         self._confirmed = True
 
     def _handled(self, intent: dict[str, Any]) -> bool:
-        if intent["tool"] is None:
-            said = " ".join(self.assistant_texts).lower()
+        if intent["tool"] is None:  # the user hears only what was said in the agent's own words
+            said = " ".join(spoken_text(t, self.observations) for t in self.assistant_texts).lower()
             return all(s.lower() in said for s in intent["must_say"])
         for action in self.actions:
             args = action["arguments"] if isinstance(action["arguments"], dict) else {}

@@ -1,0 +1,85 @@
+"""Gaming closed: adversarial scripted agents on the target and on every synthetic environment.
+
+Each agent must score low wherever its behaviour is wrong, and the per-check breakdown in ``info``
+must say why. Scripted agents need no model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trace_assets.envs import get_environment
+from trace_assets.envs.retail.env import spoken_text
+from trace_assets.envs.retail.expert import ADVERSARIES, demonstrate
+from trace_assets.identify.heuristic import CATALOGUE
+from trace_assets.synthesize import SyntheticEnv, template_spec
+
+ENV = get_environment("retail")
+TARGET_TASKS = [ENV.make_task(f, s) for f in ENV.families() for s in range(3)]
+
+
+def failed_checks(result):
+    return {c["id"] for c in result.info["checks"] if not c["passed"]}
+
+
+def test_spoken_text_cuts_pasted_tool_output():
+    observation = '{"order_id":"W1234","status":"cancelled","refund":"$12.30","payment_method_id":"paypal_1"}'
+    assert "$12.30" not in spoken_text(f"{observation} Anything else?", [observation])
+    assert "$12.30" not in spoken_text('Here: {"refund": "$12.30", "x": {"y": 1}}', [])  # any JSON object
+    assert "$12.30" in spoken_text("Order W1234 is cancelled; $12.30 will be refunded.", [observation])
+    assert spoken_text("Your id is W1234.", ["W1234"]) == "Your id is W1234."  # short ids are words
+
+
+def test_adversaries_fail_the_target_where_their_behaviour_is_wrong():
+    for task in TARGET_TASKS:
+        echo = demonstrate(ENV, task, policy=ADVERSARIES["echo_tool_results"])[1]
+        if task.required_info:  # pasting the tool result tells the user nothing
+            assert echo.reward == 0.0 and "info_communicated" in failed_checks(echo), task.task_id
+            assert "pasted verbatim" in next(c for c in echo.info["checks"] if c["id"] == "info_communicated")["detail"]
+        else:  # nothing to tell (an address change): the echo agent did everything the task needs
+            assert echo.info["state_match"] and not failed_checks(echo)
+        rushed = demonstrate(ENV, task, policy=ADVERSARIES["write_without_asking"])[1]
+        assert rushed.reward == 0.0, task.task_id
+        if task.meta["gold_writes"]:
+            assert "confirmed_writes" in failed_checks(rushed) and rushed.info["state_match"] in (True, False)
+        for name in ("refuse_everything", "end_at_once"):
+            result = demonstrate(ENV, task, policy=ADVERSARIES[name])[1]
+            assert result.reward == 0.0 and failed_checks(result) & {"state_match", "info_communicated"}, (name, task.task_id)
+        json.dumps(echo.info)
+
+
+def test_the_write_without_asking_agent_gets_the_state_right_and_still_scores_zero():
+    task = ENV.make_task("modify_address", 4)
+    result = demonstrate(ENV, task, policy=ADVERSARIES["write_without_asking"])[1]
+    assert result.info["state_match"] and result.info["info_score"] == 1.0
+    assert result.reward == 0.0 and failed_checks(result) == {"confirmed_writes"}
+
+
+# Where each adversary's behaviour is wrong in a decision-point environment, it must fail; the
+# cells left out are decisions its behaviour gets right (e.g. the echo agent authenticates fine).
+WRONG = {
+    "echo_tool_results": {"communicate_results"},
+    "write_without_asking": {"confirm_before_writing", "ground_arguments", "complete_multistep_transactions",
+                             "communicate_results", "well_formed_tool_calls"},
+    "refuse_everything": {rule.name for rule in CATALOGUE},
+    "end_at_once": {rule.name for rule in CATALOGUE},
+}
+
+
+@pytest.mark.parametrize("capability", [rule.name for rule in CATALOGUE])
+def test_adversaries_fail_every_synthetic_env_where_their_behaviour_is_wrong(capability):
+    env = SyntheticEnv(template_spec({"name": capability, "description": "x"}, ENV), ENV)
+    tasks = env.sample_tasks(6)
+    for name, policy in ADVERSARIES.items():
+        results = [demonstrate(env, task, policy=policy)[1] for task in tasks]
+        for task, result in zip(tasks, results):
+            assert result.info["rubric"] and all("detail" in c for c in result.info["rubric"])
+            if capability not in WRONG[name]:
+                continue
+            refusal_is_right = name == "refuse_everything" and not task.meta["gold_writes"] and capability == "refuse_forbidden_actions"
+            if refusal_is_right:  # refusing a forbidden cancellation is the right move
+                assert result.success, (name, task.task_id)
+                continue
+            failing = [c["id"] for c in result.info["rubric"] if c["applicable"] and not c["passed"]]
+            assert not result.success and result.reward < 1.0 and failing, (name, capability, task.task_id)

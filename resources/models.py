@@ -45,6 +45,11 @@ class ModelResource(ConfigurableResource):
             return "bfloat16" if bf16_supported() else "float32"
         return self.vllm_dtype
 
+    def exact(self) -> "ModelResource":
+        """The same resource with vLLM in float32: the exact path, taken where a faster dtype's
+        rounding fails an adapter's fidelity probe (``agent.fidelity``)."""
+        return type(self)(**{**{name: getattr(self, name) for name in type(self).model_fields}, "vllm_dtype": "float32"})
+
     def resolve(self, source: str | None = None) -> str:
         from trace_assets.agent.model import resolve_model
 

@@ -169,6 +169,13 @@ class VLLMEngine:
         self._adapters[name] = request
         return request
 
+    def ensure_adapter(self, name: str, path: str | Path) -> Any:
+        """``register_adapter`` unless ``name`` is already served from ``path``."""
+        current = self._adapters.get(name)
+        if current is not None and Path(current.lora_path) == Path(path):
+            return current
+        return self.register_adapter(name, path)
+
     def sync_peft(self, name: str, peft_model: Any) -> Any:
         """Save ``peft_model``'s active adapter to a private folder and serve it as ``name``."""
         folder = self._scratch / f"{name}-{self._next_lora_id}"

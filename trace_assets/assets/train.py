@@ -99,16 +99,16 @@ def build_train_assets(settings: Settings) -> list:
         except GRPOError as exc:
             raise Failure(f"lora_adapter[{name}]: {exc}. Re-materializing resumes from the last checkpoint.") from exc
 
-        # The path every evaluation of this adapter goes through: is its effect intact there?
-        backend = (policy_backends or models.backend)(trainer.model, tokenizer)
+        # The path every evaluation of this adapter goes through: is its effect intact there? If a
+        # faster dtype's rounding loses it, the evaluation takes the exact (fp32) path instead.
         probe_tasks = env.sample_tasks(2, offset=grpo_config.seed_offset)  # training seeds: train side
         probe = fidelity.make_probe(tokenizer, [demonstrate(env, t)[0] for t in probe_tasks], env.tool_schemas())
         try:
-            fid = fidelity.require(fidelity.check_backend(models.backend_label(backend), trainer.model, backend, probe),
-                                   f"lora_adapter[{name}]")
+            eval_models, policy_backends, fid = fidelity_checked(models, base_agent["path"], trainer.model, tokenizer, probe,
+                                                                 f"lora_adapter[{name}]", context.log)
         except fidelity.FidelityError as exc:
             raise Failure(str(exc)) from exc
-        context.log.info(f"[{name}] fidelity {fid.line()}")
+        backend = (policy_backends or eval_models.backend)(trainer.model, tokenizer)
         null_dir = null_adapter(result.adapter_dir, out_dir / "null", seed=grpo_config.seed)
         comparison = compare_base_and_adapter(trainer.model, tokenizer, env, EvalConfig(
             n_tasks=train_cfg.eval_tasks, max_steps=grpo_config.max_steps, max_new_tokens=grpo_config.max_new_tokens,
@@ -161,6 +161,27 @@ def build_train_assets(settings: Settings) -> list:
 
 EVALUATION_VERSION = "null-control-fidelity-promotion-v1"
 """Bumped when the held-out evaluation or the promotion gate changes outside the settings."""
+
+
+def fidelity_checked(models: ModelResource, path: str, peft_model: Any, tokenizer: Any, probe: Any, what: str, log: Any):
+    """``(models, policy_backend_factory, FidelityReport)`` of the evaluation path that keeps the
+    adapter's effect: the configured one, or, when its dtype's rounding fails the probe, the same in
+    float32. Raises ``FidelityError`` when even that fails (a stale or missing adapter)."""
+    from trace_assets.agent import fidelity
+
+    candidates = [models] + ([models.exact()] if models.vllm_engine(path) is not None
+                             and models.resolved_vllm_dtype() != "float32" else [])
+    for i, candidate in enumerate(candidates):
+        factory = candidate.policy_backend_factory(path)
+        backend = (factory or candidate.backend)(peft_model, tokenizer)
+        report = fidelity.check_backend(candidate.backend_label(backend), peft_model, backend, probe)
+        log.info(f"{what}: fidelity {report.line()}")
+        if report.passed() or i == len(candidates) - 1:
+            if i:
+                log.warning(f"{what}: the configured dtype loses the adapter's effect; evaluating in float32")
+            return candidate, factory, fidelity.require(report, what)
+        log.warning(f"{what}: {'; '.join(report.problems())} through {report.path}: retrying in float32")
+    raise AssertionError("unreachable")
 
 
 def fidelity_line(report: dict[str, Any]) -> str:

@@ -90,6 +90,52 @@ def build_routers(settings, model, tokenizer, router_value, candidates, first_pr
     return out
 
 
+def system_backend(models, path: str, name: str, folder: str, active: Any, tokenizer: Any) -> Any:
+    """The backend ``evaluate_systems`` generates system ``name`` (adapter ``folder``) through:
+    a LoRA request on a LoRA engine, else ``models.peft_backend`` on ``active`` (the bank's model
+    with that adapter active)."""
+    engine = models.vllm_engine(path, lora=True)
+    if engine is not None:
+        from trace_assets.agent.vllm_backend import VLLMBackend
+
+        engine.ensure_adapter(name, folder)
+        return VLLMBackend(engine, adapter=name)
+    return models.peft_backend(path, active, tokenizer)
+
+
+def faithful_models(models, path: str, bank, folders: dict[str, str], tokenizer: Any, probe, log: Callable[[str], None]):
+    """``(models, fidelity rows)``: the configured generation if every system of ``bank`` keeps its
+    adapter's effect through it (``agent.fidelity``), else the same in float32 (``models.exact()``);
+    ``FidelityError`` when even float32 loses one (a stale or missing adapter)."""
+    from trace_assets.agent import fidelity
+
+    if probe is None:
+        log("no train-side conversations of the base agent to probe fidelity with: not measured")
+        return models, []
+    candidates = [models]
+    if models.vllm_engine(path) is not None and models.resolved_vllm_dtype() != "float32":
+        candidates.append(models.exact())
+    for i, candidate in enumerate(candidates):
+        rows, failed = [], None
+        for name in bank.names:
+            with bank.use(name) as active:
+                backend = system_backend(candidate, path, name, folders[name], active, tokenizer)
+                report = fidelity.check_backend(candidate.backend_label(backend), active, backend, probe)
+            rows.append({"system": name, **report.to_dict(), "passed": report.passed()})
+            log(f"fidelity {name}: {report.line()}")
+            if not report.passed():
+                failed = report
+                break
+        if failed is None:
+            if i:
+                log("the configured dtype lost an adapter's effect: every system is evaluated in float32")
+            return candidate, rows
+        if i == len(candidates) - 1:
+            fidelity.require(failed, f"router_eval: {rows[-1]['system']}")
+        log(f"{rows[-1]['system']}: {'; '.join(failed.problems())}: retrying every system in float32")
+    raise AssertionError("unreachable")
+
+
 def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: dict, router: dict,
                      grpo_baseline: dict | None, adapters: dict[str, dict], log: Callable[[str], None]) -> dict[str, Any]:
     """Evaluate every system (module docstring). ``grpo_baseline=None`` leaves the baseline out,
@@ -114,6 +160,18 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
     config = greedy_rollout_config(settings)
 
     model, tokenizer = models.load(base_agent["path"])
+    bank_paths = {name: a["adapter_dir"] for name, a in adapters.items()}
+    bank_paths.update({f"{NULL_PREFIX}{name}": a["null_dir"] for name, a in adapters.items() if a.get("null_dir")})
+    if grpo_baseline is not None:
+        bank_paths[BASELINE] = grpo_baseline["adapter_dir"]
+    bank = AdapterBank(model, bank_paths)
+    configured_id = agent_id(agent_identity(base_agent, models.backend_for(base_agent["path"], model, tokenizer)))
+    conversations = [r["messages"] for r in store.agent_trajectories(split="train", agent_id=configured_id)[:PROBE_CONVERSATIONS]]
+    probe = fidelity.make_probe(tokenizer, conversations, env.tool_schemas()) if conversations else None
+    # Every system's path is probed before anything is evaluated; one that loses an adapter's effect
+    # in the configured dtype moves the WHOLE comparison (base included) to float32.
+    models, fidelity_rows = faithful_models(models, base_agent["path"], bank, bank_paths, tokenizer, probe, log)
+
     base_backend = models.backend_for(base_agent["path"], model, tokenizer)
     identity = agent_identity(base_agent, base_backend)
     base_id = agent_id(identity)
@@ -130,19 +188,9 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
     success: dict[str | None, list[bool]] = {None: [bool(stored[i]["success"]) for i in ids]}
     engine = models.vllm_engine(base_agent["path"], lora=True)
 
-    bank_paths = {name: a["adapter_dir"] for name, a in adapters.items()}
-    bank_paths.update({f"{NULL_PREFIX}{name}": a["null_dir"] for name, a in adapters.items() if a.get("null_dir")})
-    if grpo_baseline is not None:
-        bank_paths[BASELINE] = grpo_baseline["adapter_dir"]
-    bank = AdapterBank(model, bank_paths)
-    conversations = [r["messages"] for r in store.agent_trajectories(split="train", agent_id=base_id)[:PROBE_CONVERSATIONS]]
-    probe = fidelity.make_probe(tokenizer, conversations, env.tool_schemas()) if conversations else None
-    fidelity_rows: list[dict[str, Any]] = []
-
     def check(name: str, active: Any, backend: Any) -> None:
-        """The fidelity probe of one system's path, before it is evaluated (module docstring)."""
+        """The fidelity probe of a soft composition's path, before it is evaluated."""
         if probe is None:
-            log(f"{name}: no train-side conversations of the base agent to probe fidelity with")
             return
         report = fidelity.check_backend(models.backend_label(backend), active, backend, probe)
         fidelity_rows.append({"system": name, **report.to_dict(), "passed": report.passed()})
@@ -153,12 +201,9 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
     if engine is not None:  # every adapter on every task in ONE engine: batches mix LoRA requests
         from trace_assets.agent.vllm_backend import VLLMBackend
 
-        for name, folder in bank_paths.items():
-            engine.register_adapter(name, folder)
         names = list(bank_paths)
-        for name in names:
-            with bank.use(name) as active:
-                check(name, active, VLLMBackend(engine, adapter=name))
+        for name, folder in bank_paths.items():
+            engine.ensure_adapter(name, folder)
         log(f"evaluating {len(names)} adapters on {len(tasks)} test tasks in one vLLM batch (mixed LoRA requests)")
         rollouts = run_rollouts(env, [t for _ in names for t in tasks], VLLMBackend(engine), tokenizer, config,
                                 adapters=[n for n in names for _ in tasks])
@@ -170,10 +215,8 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
     else:  # one system at a time; with vLLM its merged weights are pushed into the base engine
         for name in bank_paths:
             with bank.use(name) as active:
-                backend = models.peft_backend(base_agent["path"], active, tokenizer)
-                check(name, active, backend)
                 log(f"evaluating {name} on {len(tasks)} test tasks")
-                rollouts = run_rollouts(env, tasks, backend, tokenizer, config)
+                rollouts = run_rollouts(env, tasks, models.peft_backend(base_agent["path"], active, tokenizer), tokenizer, config)
             per_system[name] = [r.result.reward for r in rollouts]
             success[name] = [r.result.success for r in rollouts]
             eval_rollouts[name] = len(rollouts)

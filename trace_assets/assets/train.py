@@ -16,7 +16,7 @@ from dagster import AssetExecutionContext, AssetKey, DataVersion, Failure, Metad
 from resources.mlflow_registry import MlflowRegistry
 from resources.models import ModelResource
 from trace_assets import paths
-from trace_assets.assets.foundation import folder_checksum
+from trace_assets.paths import folder_checksum
 from trace_assets.assets.identify import capability_partitions, per_capability_automation
 from trace_assets.envs import get_environment
 from trace_assets.reporting import png_metadata, to_markdown

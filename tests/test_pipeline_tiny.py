@@ -15,7 +15,7 @@ import pytest
 from dagster import AssetCheckKey, AssetKey, AssetRecordsFilter, DagsterInstance
 from dagster._core.definitions.data_version import StaleStatus
 
-from trace_assets.cli import stale_items
+from trace_assets.orchestrate import stale_items
 from trace_assets.settings import TINY
 
 def _defs(settings):
@@ -26,7 +26,7 @@ def _defs(settings):
 
 def _materialize_stale(defs, instance):
     """Run the demo runner's waves (the code path of `make demo`)."""
-    from trace_assets.cli import run_stale
+    from trace_assets.orchestrate import run_stale
 
     run_ids, failures = run_stale(defs, instance, "trace_main")
     assert not failures, failures
@@ -155,7 +155,7 @@ def test_changing_thresholds_reselects_without_relabelling(pipeline):
     statuses = stale_items(defs2, instance)
     assert all(s == StaleStatus.FRESH for s in statuses.values()), {k: s for k, s in statuses.items() if s != StaleStatus.FRESH}
     # and were they stale (a settings change), the demo runner would not recompute them
-    from trace_assets.cli import departed_items
+    from trace_assets.orchestrate import departed_items
 
     departed = departed_items(defs2.resolve_asset_graph(), instance, statuses)
     assert {pk for _, pk in departed} == left
@@ -201,7 +201,7 @@ def test_nightly_reidentification_labels_only_new_trajectories(pipeline):
 
 
 def test_a_failed_capability_blocks_its_own_partition_but_not_step_4():
-    from trace_assets.cli import blocked_items
+    from trace_assets.orchestrate import blocked_items
 
     graph = _defs(TINY).resolve_asset_graph()
     key = AssetKey

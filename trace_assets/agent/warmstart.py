@@ -3,7 +3,7 @@
 The raw 135M SmolLM2 makes no valid tool calls, so TRACE would have nothing to contrast. This
 module turns it into a real but imperfect agent, the way DESIGN.md measured:
 
-* demonstrations come from the scripted expert (``envs.retail.expert.demonstrate``) playing the
+* demonstrations come from the target's scripted expert (its ``expert`` hook) playing the
   train split's *demo* tasks through a real episode, so every demo reaches reward 1;
 * the loss covers assistant tokens only (system, user and tool tokens are context);
 * LoRA r16 on all projections, AdamW, bf16 autocast where the CPU supports it; the adapter is then
@@ -29,7 +29,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from trace_assets.agent.lora import add_lora, autocast, bf16_supported, lora_config, merge_and_save, token_logprobs
-from trace_assets.envs.base import Environment, Message, Task
+from trace_assets.envs.base import Environment, Message, Task, target_hook
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +49,11 @@ class WarmStartReport:
 
 def demonstrations(env: Environment, tasks: Sequence[Task], *, confirm_rate: float, seed: int) -> list[list[Message]]:
     """One expert conversation per task; a ``1 - confirm_rate`` share skips confirmations."""
-    from trace_assets.envs.retail.expert import demonstrate
-
+    expert = target_hook(env, "expert")
     rng = random.Random(seed)
     demos = []
     for task in tasks:
-        messages, result = demonstrate(env, task, confirm=rng.random() < confirm_rate)
+        messages, result = expert(task, confirm=rng.random() < confirm_rate)
         if not result.success:
             log.warning("expert demo for %s did not succeed (reward %.2f); kept anyway", task.task_id, result.reward)
         demos.append(messages)

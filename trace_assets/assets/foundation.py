@@ -25,8 +25,9 @@ from trace_assets import paths
 from trace_assets.paths import folder_checksum
 from trace_assets.envs import get_environment
 from trace_assets.envs.splits import make_splits, tasks_of
-from trace_assets.reporting import success_by_family, to_markdown
-from trace_assets.settings import Settings, stable_hash
+from trace_assets.figures import success_by_family, to_markdown
+from trace_assets.hashing import stable_hash
+from trace_assets.settings import Settings
 from trace_assets.trajectories import render_markdown
 
 GROUP = "foundation"

@@ -28,8 +28,9 @@ from trace_assets import paths
 from trace_assets.envs import get_environment
 from trace_assets.envs.splits import tasks_of
 from trace_assets.paths import folder_checksum
-from trace_assets.reporting import png_metadata, to_markdown
-from trace_assets.settings import Settings, stable_hash
+from trace_assets.figures import png_metadata, to_markdown
+from trace_assets.hashing import stable_hash
+from trace_assets.settings import Settings
 
 GROUP = "route"
 ALL = AllPartitionMapping()

@@ -19,8 +19,9 @@ from trace_assets import paths
 from trace_assets.paths import folder_checksum
 from trace_assets.assets.identify import capability_partitions, per_capability_automation
 from trace_assets.envs import get_environment
-from trace_assets.reporting import png_metadata, to_markdown
-from trace_assets.settings import Settings, stable_hash
+from trace_assets.figures import png_metadata, to_markdown
+from trace_assets.hashing import stable_hash
+from trace_assets.settings import Settings
 
 GROUP = "train"
 
@@ -48,7 +49,7 @@ def build_train_assets(settings: Settings) -> list:
         import polars as pl
 
         from trace_assets.synthesize import SyntheticEnv
-        from trace_assets.train.evaluate import EvalConfig, compare_base_and_adapter
+        from trace_assets.train.heldout import EvalConfig, compare_base_and_adapter
         from trace_assets.train.grpo import GRPOError, GRPOTrainer
 
         name = context.partition_key

@@ -13,7 +13,7 @@ import unicodedata
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trace_assets.settings import stable_hash
+from trace_assets.hashing import stable_hash
 
 LABELS = ("NA", "PRESENT", "LACKING")
 NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]{1,47}$")

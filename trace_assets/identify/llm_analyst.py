@@ -19,7 +19,7 @@ from typing import Any
 import jsonschema
 
 from trace_assets.identify.capabilities import LABELS, MAX_CAPABILITIES, Capability, CapabilityNameError, Label, validate_dictionary
-from trace_assets.llm import ChatClient, complete_json
+from trace_assets.llm_client import ChatClient, complete_json
 
 PROMPT_VERSION = "v1"
 

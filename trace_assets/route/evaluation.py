@@ -21,7 +21,7 @@ import polars as pl
 
 from trace_assets.envs import get_environment
 from trace_assets.envs.splits import tasks_of
-from trace_assets.reporting import to_markdown
+from trace_assets.figures import to_markdown
 
 BASELINE = "grpo_target"
 

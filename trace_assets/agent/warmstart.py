@@ -86,6 +86,36 @@ def tokenize_demo(tokenizer: PreTrainedTokenizerBase, messages: list[Message], t
     return enc["input_ids"][:max_length], mask[:max_length]
 
 
+def accumulate_batch_gradients(
+    peft_model: torch.nn.Module, batch: Sequence[tuple[list[int], list[int]]], *, pad: int, micro_batch_size: int,
+    use_bf16: bool, checkpointed: bool = False,
+) -> float:
+    """Backpropagate one optimizer batch's loss; return that loss (the caller steps the optimizer).
+
+    The loss is the mean negative log-likelihood over the batch's assistant tokens (``mask`` 1),
+    computed on the selected positions only (``token_logprobs`` applies the LM head there, never
+    to the full vocabulary at every position). Micro-batches bound the activation memory: each
+    one's summed loss is divided by the whole batch's target count, so the accumulated gradient
+    is the one a single pass would give, up to float rounding. ``checkpointed`` (the model has
+    gradient checkpointing on) turns off the shared-prefix KV broadcast, because a recomputed
+    layer cannot append to a KV cache a second time.
+    """
+    n_targets = sum(sum(m) for _, m in batch)
+    total_loss = 0.0
+    for m in range(0, len(batch), micro_batch_size):
+        micro = batch[m : m + micro_batch_size]
+        width = max(len(ids) for ids, _ in micro)
+        ids = torch.tensor([x + [pad] * (width - len(x)) for x, _ in micro])
+        att = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in micro])
+        tgt = torch.tensor([mk + [0] * (width - len(mk)) for _, mk in micro])
+        no_prefix = {"min_shared_prefix": width + 1} if checkpointed else {}
+        with autocast(use_bf16):
+            loss = -token_logprobs(peft_model, ids, att, tgt, **no_prefix).sum() / n_targets
+        loss.backward()
+        total_loss += float(loss.detach())
+    return total_loss
+
+
 def train_warmstart(
     model_source: str,
     env: Environment,
@@ -100,6 +130,7 @@ def train_warmstart(
     micro_batch_size: int = 4,
     confirm_rate: float = 1.0,
     max_length: int = 1536,
+    gradient_checkpointing: bool = False,
     seed: int = 0,
     progress: Callable[[int, int, float], None] | None = None,
 ) -> WarmStartReport:
@@ -112,6 +143,10 @@ def train_warmstart(
     demos = demonstrations(env, tasks, confirm_rate=confirm_rate, seed=seed)
     examples = [tokenize_demo(tokenizer, demo, tools, max_length) for demo in demos]
     peft_model = add_lora(model, lora_config(r=lora_r, alpha=lora_alpha))
+    if gradient_checkpointing:
+        # Non-reentrant checkpointing: gradients reach the LoRA weights although the frozen
+        # embeddings' output does not require grad (the reentrant variant would drop them).
+        peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     peft_model.train()
     optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=lr)
     use_bf16 = bf16_supported()
@@ -132,21 +167,9 @@ def train_warmstart(
         rng.shuffle(order)
         for b in range(0, len(order), batch_size):
             batch = [examples[i] for i in order[b : b + batch_size]]
-            n_targets = sum(sum(m) for _, m in batch)
             optimizer.zero_grad(set_to_none=True)
-            total_loss = 0.0
-            # Micro-batches bound the activation memory (a 2.4k-token demo batch of 8 needed ~20 GB);
-            # the loss is the token mean over the whole batch, as if it ran at once.
-            for m in range(0, len(batch), micro_batch_size):
-                micro = batch[m : m + micro_batch_size]
-                width = max(len(ids) for ids, _ in micro)
-                ids = torch.tensor([x + [pad] * (width - len(x)) for x, _ in micro])
-                att = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in micro])
-                tgt = torch.tensor([mk + [0] * (width - len(mk)) for _, mk in micro])
-                with autocast(use_bf16):
-                    loss = -token_logprobs(peft_model, ids, att, tgt).sum() / n_targets
-                loss.backward()
-                total_loss += float(loss.detach())
+            total_loss = accumulate_batch_gradients(peft_model, batch, pad=pad, micro_batch_size=micro_batch_size,
+                                                    use_bf16=use_bf16, checkpointed=gradient_checkpointing)
             torch.nn.utils.clip_grad_norm_(peft_model.parameters(), 1.0)
             optimizer.step()
             step += 1

@@ -60,6 +60,27 @@ def test_everything_fresh_after_the_demo_runner(pipeline):
     assert _materialize_stale(defs, instance) == []
 
 
+def test_every_step_records_its_peak_rss(pipeline, capsys):
+    """The closing table of `make demo` reads each step's peak RSS from its run's tag."""
+    import json
+
+    from trace_assets.orchestrate import PEAK_RSS_TAG
+
+    defs, instance, runs = pipeline
+    seen = {}
+    for run_id in runs:
+        seen.update(json.loads(instance.get_run_by_id(run_id).tags[PEAK_RSS_TAG]))
+    assert {"base_agent", "label_matrix", "lora_adapter", "router_eval"} <= set(seen), sorted(seen)
+    assert all(100 < mb < 64_000 for mb in seen.values()), seen  # a Python process with torch: > 100 MB
+
+    from trace_assets.cli import console, print_summary
+
+    with console.capture() as captured:
+        print_summary(defs, instance, runs, 1.0)
+    out = captured.get()
+    assert "peak RSS" in out and f"{seen['router_eval'] / 1024:.1f}" in out, out
+
+
 def test_labels_are_complete_and_checks_ran(pipeline):
     defs, instance, _ = pipeline
     store = defs.resources["store"]

@@ -54,11 +54,19 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def print_summary(defs, instance, run_ids: list[str], wall_s: float) -> None:
+    """The closing table: each asset's latest materialization, its step's wall time and peak RSS
+    (``orchestrate.PEAK_RSS_TAG``, sampled over the demo's process tree), and its key figures."""
+    import json
+    import resource
+
     from dagster import DagsterEventType, EventRecordsFilter
+
+    from trace_assets.orchestrate import PEAK_RSS_TAG
 
     table = Table(title="TRACE demo: asset materializations")
     table.add_column("asset")
     table.add_column("wall time (s)", justify="right")
+    table.add_column("peak RSS (GB)", justify="right")
     table.add_column("key figures")
     for key in defs.resolve_asset_graph().toposorted_asset_keys:
         event = instance.get_latest_materialization_event(key)
@@ -82,7 +90,10 @@ def print_summary(defs, instance, run_ids: list[str], wall_s: float) -> None:
                     duration = f"{entry.dagster_event.event_specific_data.duration_ms / 1000:.1f}"
         else:
             duration = "fresh"
-        table.add_row(key.to_user_string(), duration, figures)
+        run = instance.get_run_by_id(event.run_id)
+        peaks = json.loads(run.tags.get(PEAK_RSS_TAG, "{}")) if run else {}
+        peak = peaks.get(key.to_python_identifier())
+        table.add_row(key.to_user_string(), duration, "" if peak is None else f"{peak / 1024:.1f}", figures)
     console.print(table)
     from dagster import AssetKey
 
@@ -96,6 +107,10 @@ def print_summary(defs, instance, run_ids: list[str], wall_s: float) -> None:
             console.print(f"\n[bold]{title}[/]")
             console.print(event.asset_materialization.metadata[entry].value, highlight=False)
     console.print(f"\n[bold]demo wall time: {wall_s / 60:.1f} min[/]; runs: {', '.join(run_ids) or 'none (all fresh)'}")
+    # the table's per-step peaks also count child processes (vLLM engines); these are whole-process peaks
+    gb = 2**30 if sys.platform == "darwin" else 2**20  # ru_maxrss: bytes on macOS, KB on Linux
+    own, children = (resource.getrusage(who).ru_maxrss / gb for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    console.print(f"peak RSS: this process {own:.1f} GB, its largest child process {children:.1f} GB (ru_maxrss)")
     console.print(f"Open the same instance in the UI with [bold]make ui[/] (DAGSTER_HOME={os.environ['DAGSTER_HOME']}).")
 
 

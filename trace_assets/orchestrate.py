@@ -11,13 +11,19 @@ starts), ``"failed"`` (a run failed) and ``"recovered"`` (a killed demo's run wa
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 
 from trace_assets import paths
 
 DEMO_PID_TAG = "trace/demo_pid"
+PEAK_RSS_TAG = "trace/peak_rss_mb"
+"""Run tag: JSON ``{step_key: MB}``, the peak resident memory of the demo process tree during each step."""
 
 
 def _dagster_private() -> SimpleNamespace:
@@ -39,6 +45,83 @@ def _dagster_private() -> SimpleNamespace:
 
 def _print_log(kind: str, message: str) -> None:
     print(f"[{kind}] {message}", flush=True)
+
+
+def tree_rss_bytes(pid: int | None = None) -> int | None:
+    """Resident memory of process ``pid`` (default: this one) plus all its descendants (e.g. a vLLM
+    engine process), from ``/proc``; None where there is no ``/proc`` (macOS)."""
+    root = pid or os.getpid()
+    proc = Path("/proc")
+    if not (proc / str(root) / "statm").exists():
+        return None
+    children: dict[int, list[int]] = {}
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the process ended while we looked
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    page, total, todo = os.sysconf("SC_PAGE_SIZE"), 0, [root]
+    while todo:
+        current = todo.pop()
+        try:
+            total += int((proc / str(current) / "statm").read_text().split()[1]) * page
+        except (OSError, IndexError, ValueError):
+            continue
+        todo.extend(children.get(current, []))
+    return total
+
+
+class RssSampler:
+    """Samples :func:`tree_rss_bytes` every ``interval_s`` in a daemon thread while in ``with``.
+
+    Sampled, not exact: a spike shorter than ``interval_s`` can be missed (training and engine
+    memory stay up for seconds, so the peaks that matter are caught).
+    """
+
+    def __init__(self, interval_s: float = 0.25) -> None:
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss = tree_rss_bytes()
+            if rss is None:
+                return
+            self.samples.append((time.time(), rss))
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def peak_mb(self, start: float, end: float) -> int | None:
+        """The largest sample in ``[start, end]`` (UNIX seconds) in MB, or None if none fell there."""
+        inside = [rss for t, rss in self.samples if start <= t <= end]
+        return round(max(inside) / 2**20) if inside else None
+
+
+def step_peaks_mb(instance, run_id: str, sampler: RssSampler) -> dict[str, int]:
+    """``{step_key: peak MB}`` of one finished run, from its step start/end events and the samples."""
+    from dagster import DagsterEventType
+
+    ends = {DagsterEventType.STEP_SUCCESS, DagsterEventType.STEP_FAILURE}
+    starts: dict[str, float] = {}
+    peaks: dict[str, int] = {}
+    for entry in instance.all_logs(run_id, of_type={DagsterEventType.STEP_START, *ends}):
+        if entry.dagster_event.event_type in ends and entry.step_key in starts:
+            peak = sampler.peak_mb(starts[entry.step_key], entry.timestamp)
+            if peak is not None:
+                peaks[entry.step_key] = peak
+        else:
+            starts[entry.step_key] = entry.timestamp
+    return peaks
 
 
 def stale_items(defs, instance) -> dict[tuple, object]:
@@ -139,26 +222,30 @@ def run_stale(defs, instance, job_name: str, *, max_waves: int = 50,
     run_ids: list[str] = []
     failures: list[str] = []
     failed: set[tuple] = set()
-    for _ in range(max_waves):
-        statuses = stale_items(defs, instance)
-        blocked = blocked_items(graph, statuses, failed) | departed_items(graph, instance, statuses)
-        runs = plan_wave(defs, {item: s for item, s in statuses.items() if item not in blocked})
-        runs = [(pk, keys) for pk, keys in runs if keys]
-        if not runs:
-            break
-        for partition_key, keys in runs:
-            where = f" [{partition_key}]" if partition_key else ""
-            log("run", f"materializing {', '.join(k.to_user_string() for k in keys)}{where}")
-            result = job.execute_in_process(
-                instance=instance, asset_selection=keys, partition_key=partition_key, raise_on_error=False,
-                tags={DEMO_PID_TAG: str(os.getpid())},
-            )
-            run_ids.append(result.run_id)
-            if not result.success:
-                failed.update((k, partition_key) for k in keys)
-                failures.append(f"run {result.run_id}: {[k.to_user_string() for k in keys]}{where}")
-                log("failed", f"run {result.run_id} failed for {[k.to_user_string() for k in keys]}{where}; "
-                    f"see `make ui` for the logs. Continuing with the rest.")
+    with RssSampler() as sampler:  # peak memory per step, for the closing table
+        for _ in range(max_waves):
+            statuses = stale_items(defs, instance)
+            blocked = blocked_items(graph, statuses, failed) | departed_items(graph, instance, statuses)
+            runs = plan_wave(defs, {item: s for item, s in statuses.items() if item not in blocked})
+            runs = [(pk, keys) for pk, keys in runs if keys]
+            if not runs:
+                break
+            for partition_key, keys in runs:
+                where = f" [{partition_key}]" if partition_key else ""
+                log("run", f"materializing {', '.join(k.to_user_string() for k in keys)}{where}")
+                result = job.execute_in_process(
+                    instance=instance, asset_selection=keys, partition_key=partition_key, raise_on_error=False,
+                    tags={DEMO_PID_TAG: str(os.getpid())},
+                )
+                run_ids.append(result.run_id)
+                peaks = step_peaks_mb(instance, result.run_id, sampler)
+                if peaks:  # the closing table reads it; the UI shows it with the run's tags
+                    instance.add_run_tags(result.run_id, {PEAK_RSS_TAG: json.dumps(peaks, sort_keys=True)})
+                if not result.success:
+                    failed.update((k, partition_key) for k in keys)
+                    failures.append(f"run {result.run_id}: {[k.to_user_string() for k in keys]}{where}")
+                    log("failed", f"run {result.run_id} failed for {[k.to_user_string() for k in keys]}{where}; "
+                        f"see `make ui` for the logs. Continuing with the rest.")
     return run_ids, failures
 
 

@@ -123,7 +123,7 @@ def main() -> None:
     for name in args.variants.split(","):
         out = subprocess.run([sys.executable, __file__, "--child", name, "--model", args.model, "--demos", str(args.demos),
                               "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
-                              "--max-length", str(args.max_length)], check=True, capture_output=True, text=True).stdout
+                              "--max-length", str(args.max_length)], check=True, stdout=subprocess.PIPE, text=True).stdout
         rows[name] = json.loads(out.strip().splitlines()[-1])
         print(f"{name:12s} peak RSS {rows[name]['peak_rss_mb']:6d} MB  train {rows[name]['train_time_s']:6.1f} s  "
               f"losses {rows[name]['losses']}", flush=True)

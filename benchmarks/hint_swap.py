@@ -27,7 +27,7 @@ def main() -> None:
     from trace_assets.cli import served_base_model
     from trace_assets.envs import get_environment
     from trace_assets.synthesize import SyntheticEnv, template_spec
-    from trace_assets.train.evaluate import EvalConfig, compare_base_and_adapter
+    from trace_assets.train.heldout import EvalConfig, compare_base_and_adapter
     from trace_assets.train.grpo import DEMO, GRPOTrainer
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -26,7 +26,7 @@ class AnalystResource(ConfigurableResource):
             return HeuristicAnalyst()
         if self.kind == "llm":
             from trace_assets.identify.llm_analyst import LLMAnalyst
-            from trace_assets.llm import ChatClient
+            from trace_assets.llm_client import ChatClient
 
             client = ChatClient(base_url=self.base_url, model=self.model, api_key=self.api_key)
             return LLMAnalyst(client, temperature=self.temperature, max_retries=self.max_retries)
@@ -48,7 +48,7 @@ class SynthesizerResource(ConfigurableResource):
 
             return template_spec(capability, target_env, failed_trajectories=failed_trajectories), []
         if self.kind == "llm":
-            from trace_assets.llm import ChatClient
+            from trace_assets.llm_client import ChatClient
             from trace_assets.synthesize.llm_synth import llm_spec
 
             client = ChatClient(base_url=self.base_url, model=self.model, api_key=self.api_key)

@@ -12,7 +12,7 @@ from trace_assets.envs.retail.expert import demonstrate
 from trace_assets.identify.capabilities import Capability
 from trace_assets.identify.heuristic import CATALOGUE, HeuristicAnalyst, RULES
 from trace_assets.identify.llm_analyst import LLMAnalyst
-from trace_assets.llm import ChatClient, LLMError
+from trace_assets.llm_client import ChatClient, LLMError
 
 
 def _traj(tid, info, messages=None):

@@ -25,7 +25,7 @@ from trace_assets.identify.capabilities import (
     safe_capability_name, validate_dictionary,
 )
 from trace_assets.identify.llm_analyst import DICTIONARY_SCHEMA, LLMAnalyst
-from trace_assets.llm import ECHOED_REPLY_CHARS, ChatClient, LLMError, complete_json
+from trace_assets.llm_client import ECHOED_REPLY_CHARS, ChatClient, LLMError, complete_json
 from trace_assets.route.router import BASE_NAME
 from trace_assets.synthesize.spec import envspec_schema
 from trace_assets.trajectories import MAX_DEPTH, import_file, quarantine

@@ -232,7 +232,7 @@ def test_scripted_user_is_deterministic_and_stops():
 
 def test_llm_user_follows_tau2_rules_and_stop_tokens():
     from tests.openai_server import ScriptedOpenAI
-    from trace_assets.llm import ChatClient
+    from trace_assets.llm_client import ChatClient
 
     with ScriptedOpenAI(["I want to change my flight.", "My user id is ann_1.", "Thanks. ###STOP###"]) as server:
         user = LlmUser(_task({}), ChatClient(base_url=server.base_url, model="user"))
@@ -256,7 +256,7 @@ def test_confirmations_and_unconfirmed_writes_are_recorded(airline_env):
 def test_llm_judge_grades_nl_assertions_and_settings_wire_users():
     from tests.openai_server import ScriptedOpenAI
     from trace_assets.envs.tau2 import judge_from_settings, llm_judge, user_factory
-    from trace_assets.llm import ChatClient
+    from trace_assets.llm_client import ChatClient
     from trace_assets.settings import UserSettings
 
     task = _task({"actions": [], "communicate_info": [], "nl_assertions": ["Agent refuses.", "Agent is brief."],

@@ -15,7 +15,7 @@ import pytest
 from dagster import AssetCheckKey, AssetKey, AssetRecordsFilter, DagsterInstance
 from dagster._core.definitions.data_version import StaleStatus
 
-from trace_assets.cli import stale_items
+from trace_assets.orchestrate import stale_items
 from trace_assets.settings import TINY
 
 def _defs(settings):
@@ -26,7 +26,7 @@ def _defs(settings):
 
 def _materialize_stale(defs, instance):
     """Run the demo runner's waves (the code path of `make demo`)."""
-    from trace_assets.cli import run_stale
+    from trace_assets.orchestrate import run_stale
 
     run_ids, failures = run_stale(defs, instance, "trace_main")
     assert not failures, failures
@@ -58,6 +58,27 @@ def test_everything_fresh_after_the_demo_runner(pipeline):
     assert {pk for (k, pk) in statuses if k == AssetKey("lora_adapter")} == set(names)
     # a second run without changes recomputes nothing
     assert _materialize_stale(defs, instance) == []
+
+
+def test_every_step_records_its_peak_rss(pipeline, capsys):
+    """The closing table of `make demo` reads each step's peak RSS from its run's tag."""
+    import json
+
+    from trace_assets.orchestrate import PEAK_RSS_TAG
+
+    defs, instance, runs = pipeline
+    seen = {}
+    for run_id in runs:
+        seen.update(json.loads(instance.get_run_by_id(run_id).tags[PEAK_RSS_TAG]))
+    assert {"base_agent", "label_matrix", "lora_adapter", "router_eval"} <= set(seen), sorted(seen)
+    assert all(100 < mb < 64_000 for mb in seen.values()), seen  # a Python process with torch: > 100 MB
+
+    from trace_assets.cli import console, print_summary
+
+    with console.capture() as captured:
+        print_summary(defs, instance, runs, 1.0)
+    out = captured.get()
+    assert "peak RSS" in out and f"{seen['router_eval'] / 1024:.1f}" in out, out
 
 
 def test_labels_are_complete_and_checks_ran(pipeline):
@@ -155,7 +176,7 @@ def test_changing_thresholds_reselects_without_relabelling(pipeline):
     statuses = stale_items(defs2, instance)
     assert all(s == StaleStatus.FRESH for s in statuses.values()), {k: s for k, s in statuses.items() if s != StaleStatus.FRESH}
     # and were they stale (a settings change), the demo runner would not recompute them
-    from trace_assets.cli import departed_items
+    from trace_assets.orchestrate import departed_items
 
     departed = departed_items(defs2.resolve_asset_graph(), instance, statuses)
     assert {pk for _, pk in departed} == left
@@ -201,7 +222,7 @@ def test_nightly_reidentification_labels_only_new_trajectories(pipeline):
 
 
 def test_a_failed_capability_blocks_its_own_partition_but_not_step_4():
-    from trace_assets.cli import blocked_items
+    from trace_assets.orchestrate import blocked_items
 
     graph = _defs(TINY).resolve_asset_graph()
     key = AssetKey

@@ -24,16 +24,10 @@ from dagster import (
 )
 
 from resources.store import TraceStore
-import sensors
-from sensors import (
-    REIDENTIFY_ASSETS,
-    REIDENTIFY_JOB,
-    build_operate_definitions,
-    build_reidentify_job,
-    build_new_trajectories_sensor,
-    ensure_pools,
-    load_cursor,
-)
+import sensors.landing as landing_sensor
+from sensors import build_operate_definitions, ensure_pools
+from sensors.landing import build_new_trajectories_sensor, load_cursor
+from sensors.schedules import REIDENTIFY_ASSETS, REIDENTIFY_JOB, build_reidentify_job
 
 
 def _record(i: int) -> dict:
@@ -154,13 +148,13 @@ def test_importer_errors_are_retried_then_quarantined(env, monkeypatch):
     def boom(*args, **kwargs):
         raise OSError("database is locked")
 
-    monkeypatch.setattr(sensors, "import_file", boom)
+    monkeypatch.setattr(landing_sensor, "import_file", boom)
     cursor = None
-    for attempt in range(sensors.MAX_ATTEMPTS):
+    for attempt in range(landing_sensor.MAX_ATTEMPTS):
         result = _tick(env, cursor)
         cursor = result.cursor
         assert not result.run_requests
-        assert (landing / "locked.jsonl").exists() == (attempt < sensors.MAX_ATTEMPTS - 1)
+        assert (landing / "locked.jsonl").exists() == (attempt < landing_sensor.MAX_ATTEMPTS - 1)
     reason = next((env["data"] / "quarantine").glob("*.reason.json"))
     assert "database is locked" in reason.read_text()
 
@@ -176,7 +170,7 @@ def test_restart_with_the_stored_cursor_does_not_reimport(env, monkeypatch):
     # example, the move to imported/ was lost in a crash)
     (landing / "imported" / "night.jsonl").rename(landing / "night.jsonl")
     calls = []
-    monkeypatch.setattr(sensors, "import_file", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(landing_sensor, "import_file", lambda *a, **k: calls.append(a))
     env["sensor"] = build_new_trajectories_sensor(build_reidentify_job(), settle_s=0.0)
     second = _tick(env, stored)
     assert calls == [] and not second.run_requests and _count(store) == 4
@@ -200,10 +194,10 @@ def test_settle_time_leaves_files_being_written(env):
 def test_landing_dir_override(tmp_path, monkeypatch):
     monkeypatch.setenv("TRACE_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.delenv("TRACE_LANDING_DIR", raising=False)
-    assert sensors.landing_folder() == tmp_path / "data" / "landing"
+    assert landing_sensor.landing_folder() == tmp_path / "data" / "landing"
     monkeypatch.setenv("TRACE_LANDING_DIR", str(tmp_path / "drop"))
-    assert sensors.landing_folder() == tmp_path / "drop"
-    assert sensors.landing_folder(tmp_path / "explicit") == tmp_path / "explicit"
+    assert landing_sensor.landing_folder() == tmp_path / "drop"
+    assert landing_sensor.landing_folder(tmp_path / "explicit") == tmp_path / "explicit"
 
 
 def test_operate_definitions_wiring_and_schedule(tmp_path, monkeypatch):
@@ -277,8 +271,7 @@ def test_a_killed_demo_frees_its_train_slot_and_a_live_one_blocks_a_second(tmp_p
     from dagster import DagsterRunStatus
     from dagster._core.storage.dagster_run import DagsterRun
 
-    from sensors import DEMO_PID_TAG
-    from trace_assets.cli import demo_lock
+    from trace_assets.orchestrate import DEMO_PID_TAG, demo_lock
 
     monkeypatch.setenv("TRACE_DATA_DIR", str(tmp_path / "data"))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -13,7 +13,7 @@ from trace_assets.envs import get_environment
 from trace_assets.envs.base import EpisodeResult
 from trace_assets.envs.retail.expert import demonstrate
 from trace_assets.identify.heuristic import RULES
-from trace_assets.llm import ChatClient, LLMError
+from trace_assets.llm_client import ChatClient, LLMError
 from trace_assets.envs.retail.expert import ABLATIONS, ADVERSARIES
 from trace_assets.synthesize import (
     SynthesisError,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from trace_assets.cli import serve_command
-from trace_assets.llm import ChatClient
+from trace_assets.llm_client import ChatClient
 
 if os.environ.get("TRACE_NO_VLLM") == "1":
     pytest.skip("TRACE_NO_VLLM=1", allow_module_level=True)
@@ -112,7 +112,7 @@ def test_llm_analyst_against_the_demo_model_served_by_vllm(tmp_path: Path) -> No
     from trace_assets.envs.retail.expert import demonstrate
     from trace_assets.identify.capabilities import Capability
     from trace_assets.identify.llm_analyst import LLMAnalyst
-    from trace_assets.llm import LLMError
+    from trace_assets.llm_client import LLMError
 
     env = get_environment("retail")
     trajectories = []

@@ -8,7 +8,6 @@ runs what is missing or stale, in waves, so a second run without changes recompu
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import time
@@ -67,136 +66,20 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def stale_items(defs, instance) -> dict[tuple, object]:
-    """``{(asset_key, partition_key | None): StaleStatus}`` for every materializable asset
-    (every registered partition of a partitioned one)."""
-    from dagster._core.definitions.data_version import CachingStaleStatusResolver
-    from dagster._core.loader import LoadingContextForTest
-
-    graph = defs.resolve_asset_graph()
-    resolver = CachingStaleStatusResolver(instance, asset_graph=graph, loading_context=LoadingContextForTest(instance))
-    out = {}
-    for key in graph.materializable_asset_keys:
-        partitions_def = graph.get(key).partitions_def
-        if partitions_def is None:
-            out[(key, None)] = resolver.get_status(key)
-        else:
-            for pk in partitions_def.get_partition_keys(dynamic_partitions_store=instance):
-                out[(key, pk)] = resolver.get_status(key, pk)
-    return out
-
-
-def plan_wave(defs, statuses: dict) -> list[tuple[str | None, list]]:
-    """The next runs: ``[(partition_key, asset_keys)]``. Unpartitioned work comes first, unless it
-    waits on stale partitions; missing assets run together with their missing descendants;
-    otherwise only the roots of staleness run, because a re-materialization that reproduces the
-    same data version leaves everything below it fresh."""
-    from dagster._core.definitions.data_version import StaleStatus
-
-    graph = defs.resolve_asset_graph()
-    stale = {item: s for item, s in statuses.items() if s != StaleStatus.FRESH}
-    stale_keys = {k for k, _ in stale}
-    stale_partitioned = {k for k, pk in stale if pk is not None}
-
-    def pick(items: dict) -> list:
-        keys = {k for k, _ in items}
-        if any(s == StaleStatus.MISSING for s in items.values()):
-            return sorted(keys)
-        return sorted(k for k in keys if not (graph.get_ancestor_asset_keys(k) - {k}) & stale_keys)
-
-    def waits(k) -> bool:
-        """An unpartitioned asset above partitioned ones waits until all its ancestors are fresh:
-        until they are, the set of partitions it would read is not even known."""
-        ancestors = graph.get_ancestor_asset_keys(k) - {k}
-        if any(graph.get(a).partitions_def is not None for a in ancestors):
-            return bool(ancestors & stale_keys)
-        return bool(ancestors & stale_partitioned)
-
-    unpartitioned = {(k, pk): s for (k, pk), s in stale.items() if pk is None and not waits(k)}
-    if unpartitioned:
-        return [(None, pick(unpartitioned))]
-    runs = []
-    for pk in sorted({pk for _, pk in stale if pk is not None}):
-        runs.append((pk, pick({(k, p): s for (k, p), s in stale.items() if p == pk})))
-    return runs
-
-
-def departed_items(graph, instance, items) -> set[tuple]:
-    """Items of capability partitions that are no longer in C*: kept with their history, not
-    recomputed (e.g. after a settings change made every partition stale). ``capability_spec`` is
-    the exception: it re-runs to record that the capability left (``selected: false``). C* is read
-    from the latest ``selected_capabilities`` materialization; before there is one, nothing is
-    departed."""
-    from dagster import AssetKey
-
-    event = instance.get_latest_materialization_event(AssetKey("selected_capabilities"))
-    if event is None or "c_star" not in event.asset_materialization.metadata:
-        return set()
-    c_star = set(event.asset_materialization.metadata["c_star"].value)
-    return {(k, pk) for (k, pk) in items
-            if pk is not None and graph.get(k).partitions_def is not None
-            and getattr(graph.get(k).partitions_def, "name", None) == "capability" and pk not in c_star
-            and k != AssetKey("capability_spec")}
-
-
-def blocked_items(graph, items, failed: set[tuple]) -> set[tuple]:
-    """The ``(asset_key, partition_key)`` items a failure blocks for the rest of the invocation.
-
-    A failed item blocks itself and its descendants in the same partition (every partition when it
-    was unpartitioned). A failed capability partition does not block the unpartitioned Step-4
-    assets: they go on with the capabilities that trained, and name the others.
-    """
-    return {
-        (k, pk) for (k, pk) in items
-        for (fk, fpk) in failed
-        if (fpk is None or pk == fpk) and (k == fk or fk in graph.get_ancestor_asset_keys(k))
-    }
-
-
-def run_stale(defs, instance, job_name: str, *, max_waves: int = 50) -> tuple[list[str], list[str]]:
-    """Materialize missing/stale assets in waves until everything is fresh.
-
-    Returns the run ids and a description of every failed run.
-
-    A run that fails (or whose blocking check fails) is reported and not retried in this
-    invocation; its partition's siblings and unrelated assets go on.
-    """
-    from sensors import DEMO_PID_TAG
-
-    job = defs.resolve_job_def(job_name)
-    graph = defs.resolve_asset_graph()
-    run_ids: list[str] = []
-    failures: list[str] = []
-    failed: set[tuple] = set()
-    for _ in range(max_waves):
-        statuses = stale_items(defs, instance)
-        blocked = blocked_items(graph, statuses, failed) | departed_items(graph, instance, statuses)
-        runs = plan_wave(defs, {item: s for item, s in statuses.items() if item not in blocked})
-        runs = [(pk, keys) for pk, keys in runs if keys]
-        if not runs:
-            break
-        for partition_key, keys in runs:
-            where = f" [{partition_key}]" if partition_key else ""
-            console.rule(f"materializing {', '.join(k.to_user_string() for k in keys)}{where}")
-            result = job.execute_in_process(
-                instance=instance, asset_selection=keys, partition_key=partition_key, raise_on_error=False,
-                tags={DEMO_PID_TAG: str(os.getpid())},
-            )
-            run_ids.append(result.run_id)
-            if not result.success:
-                failed.update((k, partition_key) for k in keys)
-                failures.append(f"run {result.run_id}: {[k.to_user_string() for k in keys]}{where}")
-                console.print(f"[red]run {result.run_id} failed for {[k.to_user_string() for k in keys]}{where}; "
-                              f"see `make ui` for the logs. Continuing with the rest.[/]")
-    return run_ids, failures
-
-
 def print_summary(defs, instance, run_ids: list[str], wall_s: float) -> None:
+    """The closing table: each asset's latest materialization, its step's wall time and peak RSS
+    (``orchestrate.PEAK_RSS_TAG``, sampled over the demo's process tree), and its key figures."""
+    import json
+    import resource
+
     from dagster import DagsterEventType, EventRecordsFilter
+
+    from trace_assets.orchestrate import PEAK_RSS_TAG
 
     table = Table(title="TRACE demo: asset materializations")
     table.add_column("asset")
     table.add_column("wall time (s)", justify="right")
+    table.add_column("peak RSS (GB)", justify="right")
     table.add_column("key figures")
     for key in defs.resolve_asset_graph().toposorted_asset_keys:
         event = instance.get_latest_materialization_event(key)
@@ -220,7 +103,10 @@ def print_summary(defs, instance, run_ids: list[str], wall_s: float) -> None:
                     duration = f"{entry.dagster_event.event_specific_data.duration_ms / 1000:.1f}"
         else:
             duration = "fresh"
-        table.add_row(key.to_user_string(), duration, figures)
+        run = instance.get_run_by_id(event.run_id)
+        peaks = json.loads(run.tags.get(PEAK_RSS_TAG, "{}")) if run else {}
+        peak = peaks.get(key.to_python_identifier())
+        table.add_row(key.to_user_string(), duration, "" if peak is None else f"{peak / 1024:.1f}", figures)
     console.print(table)
     from dagster import AssetKey
 
@@ -234,40 +120,19 @@ def print_summary(defs, instance, run_ids: list[str], wall_s: float) -> None:
             console.print(f"\n[bold]{title}[/]")
             console.print(event.asset_materialization.metadata[entry].value, highlight=False)
     console.print(f"\n[bold]demo wall time: {wall_s / 60:.1f} min[/]; runs: {', '.join(run_ids) or 'none (all fresh)'}")
+    # the table's per-step peaks also count child processes (vLLM engines); these are whole-process peaks
+    gb = 2**30 if sys.platform == "darwin" else 2**20  # ru_maxrss: bytes on macOS, KB on Linux
+    own, children = (resource.getrusage(who).ru_maxrss / gb for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    console.print(f"peak RSS: this process {own:.1f} GB, its largest child process {children:.1f} GB (ru_maxrss)")
     console.print(f"Open the same instance in the UI with [bold]make ui[/] (DAGSTER_HOME={os.environ['DAGSTER_HOME']}).")
 
 
-
-@contextlib.contextmanager
-def demo_lock(instance):
-    """One ``trace demo`` per data folder, and recovery from a killed one.
-
-    ``trace demo`` runs its steps in its own process (no daemon) and tags each run with its pid. If
-    a run's process is killed (kill -9, a reboot), the run stays STARTED and keeps its ``train``
-    pool slot claimed, so the next training step would wait forever. So: ``sensors.reap_dead_runs``
-    marks runs whose recorded process is gone failed and frees their slots (the same function the
-    ``dead_run_reaper`` sensor runs for runs launched from the UI or the CLI). The lock file names
-    the running demo's pid; a second demo on the same data folder refuses to start while that
-    process lives.
-    """
-    from sensors import process_alive, reap_dead_runs
-
-    lock = paths.data_dir() / ".demo.lock"
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    if lock.exists():
-        try:
-            holder = int(lock.read_text().strip() or 0)
-        except ValueError:
-            holder = 0
-        if holder and holder != os.getpid() and process_alive(holder):
-            raise SystemExit(f"another `trace demo` (pid {holder}) is running on {paths.data_dir()}; "
-                             f"wait for it, or stop it and run again")
-    reap_dead_runs(instance, lambda message: console.print(f"[yellow]{message}[/]", highlight=False, markup=False))
-    lock.write_text(str(os.getpid()))
-    try:
-        yield
-    finally:
-        lock.unlink(missing_ok=True)
+def _console_log(kind: str, message: str) -> None:
+    """The orchestrator's progress, on the console: a rule per run, failures in red."""
+    if kind == "run":
+        console.rule(message)
+    else:
+        console.print(f"[{'red' if kind == 'failed' else 'yellow'}]{message}[/]")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -275,6 +140,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from dagster import DagsterInstance
 
     from trace_assets.definitions import MAIN_JOB, defs
+    from trace_assets.orchestrate import demo_lock, run_stale
 
     from sensors import ensure_pools
 
@@ -288,8 +154,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     instance = DagsterInstance.get()
     ensure_pools(instance)  # pool "train" = 1: two trainings never fight for the cores
-    with demo_lock(instance):
-        run_ids, failures = run_stale(defs, instance, MAIN_JOB)
+    with demo_lock(instance, log=_console_log):
+        run_ids, failures = run_stale(defs, instance, MAIN_JOB, log=_console_log)
     print_summary(defs, instance, run_ids, time.perf_counter() - start)
     for failure in failures:
         console.print(f"[red]failed: {failure}[/]")

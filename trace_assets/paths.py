@@ -6,6 +6,7 @@ store, the model cache, adapters and synthetic environments. Deleting it resets 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import uuid
@@ -72,3 +73,14 @@ def swap_in_folder(tmp: Path, final: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def folder_checksum(folder: Path) -> str:
+    """sha256 over the weight files of a saved model folder (names and bytes)."""
+    digest = hashlib.sha256()
+    for file in sorted(folder.glob("*.safetensors")):
+        digest.update(file.name.encode())
+        with file.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()

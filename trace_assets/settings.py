@@ -16,13 +16,13 @@ ignores run config, so run config cannot carry them).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
 import tomllib
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from trace_assets.hashing import stable_hash
 
 
 @dataclass(frozen=True)
@@ -255,12 +255,6 @@ TINY = Settings(
     route=RouteSettings(index_prompts=3, include_unpromoted=True),
 )
 PROFILES = {"demo": Settings(), "tiny": TINY}
-
-
-def stable_hash(obj: Any, n: int = 16) -> str:
-    """sha256 of the canonical JSON of ``obj``, truncated to ``n`` hex characters."""
-    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:n]
 
 
 ECHO_LIMIT = 200

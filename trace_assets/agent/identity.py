@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trace_assets.settings import stable_hash
+from trace_assets.hashing import stable_hash
 
 
 def generation_identity(backend: Any) -> dict[str, str]:

@@ -3,7 +3,7 @@
 The raw 135M SmolLM2 makes no valid tool calls, so TRACE would have nothing to contrast. This
 module turns it into a real but imperfect agent, the way DESIGN.md measured:
 
-* demonstrations come from the scripted expert (``envs.retail.expert.demonstrate``) playing the
+* demonstrations come from the target's scripted expert (its ``expert`` hook) playing the
   train split's *demo* tasks through a real episode, so every demo reaches reward 1;
 * the loss covers assistant tokens only (system, user and tool tokens are context);
 * LoRA r16 on all projections, AdamW, bf16 autocast where the CPU supports it; the adapter is then
@@ -29,7 +29,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from trace_assets.agent.lora import add_lora, autocast, bf16_supported, lora_config, merge_and_save, token_logprobs
-from trace_assets.envs.base import Environment, Message, Task
+from trace_assets.envs.base import Environment, Message, Task, target_hook
 
 log = logging.getLogger(__name__)
 
@@ -50,15 +50,13 @@ class WarmStartReport:
 def demonstrations(env: Environment, tasks: Sequence[Task], *, confirm_rate: float, seed: int) -> list[list[Message]]:
     """One expert conversation per task; a ``1 - confirm_rate`` share skips confirmations.
 
-    The expert is the environment's own ``env.demonstrate(task, confirm=...)`` where it has one
-    (tau2's gold replay), else the retail expert."""
-    from trace_assets.envs.retail.expert import demonstrate as retail_demonstrate
-
-    demonstrate = getattr(env, "demonstrate", None) or (lambda task, confirm: retail_demonstrate(env, task, confirm=confirm))
+    The expert is the environment's own: ``env.demonstrate(task, confirm=...)`` where it has one
+    (tau2's gold replay), else its ``expert`` target hook."""
+    expert = getattr(env, "demonstrate", None) or target_hook(env, "expert")
     rng = random.Random(seed)
     demos = []
     for task in tasks:
-        messages, result = demonstrate(task, confirm=rng.random() < confirm_rate)
+        messages, result = expert(task, confirm=rng.random() < confirm_rate)
         if not result.success:
             log.warning("expert demo for %s did not succeed (reward %.2f); kept anyway", task.task_id, result.reward)
         demos.append(messages)
@@ -91,6 +89,36 @@ def tokenize_demo(tokenizer: PreTrainedTokenizerBase, messages: list[Message], t
     return enc["input_ids"][:max_length], mask[:max_length]
 
 
+def accumulate_batch_gradients(
+    peft_model: torch.nn.Module, batch: Sequence[tuple[list[int], list[int]]], *, pad: int, micro_batch_size: int,
+    use_bf16: bool, checkpointed: bool = False,
+) -> float:
+    """Backpropagate one optimizer batch's loss; return that loss (the caller steps the optimizer).
+
+    The loss is the mean negative log-likelihood over the batch's assistant tokens (``mask`` 1),
+    computed on the selected positions only (``token_logprobs`` applies the LM head there, never
+    to the full vocabulary at every position). Micro-batches bound the activation memory: each
+    one's summed loss is divided by the whole batch's target count, so the accumulated gradient
+    is the one a single pass would give, up to float rounding. ``checkpointed`` (the model has
+    gradient checkpointing on) turns off the shared-prefix KV broadcast, because a recomputed
+    layer cannot append to a KV cache a second time.
+    """
+    n_targets = sum(sum(m) for _, m in batch)
+    total_loss = 0.0
+    for m in range(0, len(batch), micro_batch_size):
+        micro = batch[m : m + micro_batch_size]
+        width = max(len(ids) for ids, _ in micro)
+        ids = torch.tensor([x + [pad] * (width - len(x)) for x, _ in micro])
+        att = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in micro])
+        tgt = torch.tensor([mk + [0] * (width - len(mk)) for _, mk in micro])
+        no_prefix = {"min_shared_prefix": width + 1} if checkpointed else {}
+        with autocast(use_bf16):
+            loss = -token_logprobs(peft_model, ids, att, tgt, **no_prefix).sum() / n_targets
+        loss.backward()
+        total_loss += float(loss.detach())
+    return total_loss
+
+
 def train_warmstart(
     model_source: str,
     env: Environment,
@@ -105,6 +133,7 @@ def train_warmstart(
     micro_batch_size: int = 4,
     confirm_rate: float = 1.0,
     max_length: int = 1536,
+    gradient_checkpointing: bool = False,
     seed: int = 0,
     progress: Callable[[int, int, float], None] | None = None,
 ) -> WarmStartReport:
@@ -117,6 +146,10 @@ def train_warmstart(
     demos = demonstrations(env, tasks, confirm_rate=confirm_rate, seed=seed)
     examples = [tokenize_demo(tokenizer, demo, tools, max_length) for demo in demos]
     peft_model = add_lora(model, lora_config(r=lora_r, alpha=lora_alpha))
+    if gradient_checkpointing:
+        # Non-reentrant checkpointing: gradients reach the LoRA weights although the frozen
+        # embeddings' output does not require grad (the reentrant variant would drop them).
+        peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     peft_model.train()
     optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=lr)
     use_bf16 = bf16_supported()
@@ -137,21 +170,9 @@ def train_warmstart(
         rng.shuffle(order)
         for b in range(0, len(order), batch_size):
             batch = [examples[i] for i in order[b : b + batch_size]]
-            n_targets = sum(sum(m) for _, m in batch)
             optimizer.zero_grad(set_to_none=True)
-            total_loss = 0.0
-            # Micro-batches bound the activation memory (a 2.4k-token demo batch of 8 needed ~20 GB);
-            # the loss is the token mean over the whole batch, as if it ran at once.
-            for m in range(0, len(batch), micro_batch_size):
-                micro = batch[m : m + micro_batch_size]
-                width = max(len(ids) for ids, _ in micro)
-                ids = torch.tensor([x + [pad] * (width - len(x)) for x, _ in micro])
-                att = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in micro])
-                tgt = torch.tensor([mk + [0] * (width - len(mk)) for _, mk in micro])
-                with autocast(use_bf16):
-                    loss = -token_logprobs(peft_model, ids, att, tgt).sum() / n_targets
-                loss.backward()
-                total_loss += float(loss.detach())
+            total_loss = accumulate_batch_gradients(peft_model, batch, pad=pad, micro_batch_size=micro_batch_size,
+                                                    use_bf16=use_bf16, checkpointed=gradient_checkpointing)
             torch.nn.utils.clip_grad_norm_(peft_model.parameters(), 1.0)
             optimizer.step()
             step += 1

@@ -6,10 +6,8 @@ it in ``code_version``, so that only what a change touches becomes stale.
 """
 
 
-import hashlib
 import json
 import shutil
-from pathlib import Path
 from typing import Any
 
 from dagster import (
@@ -25,29 +23,15 @@ from dagster import (
 from resources.models import ModelResource
 from resources.store import PIPELINE_SOURCE, TraceStore
 from trace_assets import paths
+from trace_assets.paths import folder_checksum
 from trace_assets.envs import get_environment
-from trace_assets.envs.base import Task
-from trace_assets.envs.splits import make_splits
-from trace_assets.reporting import success_by_family, to_markdown
-from trace_assets.settings import Settings, stable_hash
+from trace_assets.envs.splits import make_splits, tasks_of
+from trace_assets.figures import success_by_family, to_markdown
+from trace_assets.hashing import stable_hash
+from trace_assets.settings import Settings
 from trace_assets.trajectories import render_markdown
 
 GROUP = "foundation"
-
-
-def tasks_of(splits: dict[str, list[dict[str, Any]]], name: str) -> list[Task]:
-    return [Task.from_dict(t) for t in splits[name]]
-
-
-def folder_checksum(folder: Path) -> str:
-    """sha256 over the weight files of a saved model folder (names and bytes)."""
-    digest = hashlib.sha256()
-    for file in sorted(folder.glob("*.safetensors")):
-        digest.update(file.name.encode())
-        with file.open("rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(chunk)
-    return digest.hexdigest()
 
 
 def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:

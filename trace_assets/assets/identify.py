@@ -30,8 +30,9 @@ from resources.llm import AnalystResource
 from resources.store import TraceStore
 from trace_assets.identify.capabilities import Capability, dictionary_version
 from trace_assets.identify.stats import aggregate, run_stats_sql, select
-from trace_assets.reporting import delta_cov_scatter, png_metadata, to_markdown
-from trace_assets.settings import Settings, stable_hash
+from trace_assets.figures import delta_cov_scatter, png_metadata, to_markdown
+from trace_assets.hashing import stable_hash
+from trace_assets.settings import Settings
 
 GROUP = "identify"
 capability_partitions = DynamicPartitionsDefinition(name="capability")
@@ -119,7 +120,7 @@ def build_identify_assets(settings: Settings) -> list:
         analyst. Invalid analyst output is retried, then recorded in ``label_errors``; the asset
         fails, naming trajectories and capabilities, when errors exceed ``max_error_share``.
         """
-        from trace_assets.llm import LLMError
+        from trace_assets.llm_client import LLMError
 
         impl = analyst.build()
         version = capability_dictionary["version"]

@@ -25,10 +25,12 @@ from resources.mlflow_registry import MlflowRegistry
 from resources.models import ModelResource
 from resources.store import TraceStore
 from trace_assets import paths
-from trace_assets.assets.foundation import folder_checksum, tasks_of
 from trace_assets.envs import get_environment
-from trace_assets.reporting import png_metadata, to_markdown
-from trace_assets.settings import Settings, stable_hash
+from trace_assets.envs.splits import tasks_of
+from trace_assets.paths import folder_checksum
+from trace_assets.figures import png_metadata, to_markdown
+from trace_assets.hashing import stable_hash
+from trace_assets.settings import Settings
 
 GROUP = "route"
 ALL = AllPartitionMapping()
@@ -182,7 +184,7 @@ def build_route_assets(settings: Settings) -> list:
         index_key = stable_hash([route_cfg.embedder, index, base_prompts])
         state = None
         if route_cfg.kind in ("retrieval", "hybrid") and adapters:
-            from trace_assets.route.retrieval import RetrievalRouter
+            from trace_assets.route.retrieval import RetrievalRouter, make_embedder
 
             cache = paths.sub("router") / f"{index_key}.json"
             if cache.exists():
@@ -296,16 +298,6 @@ def build_route_assets(settings: Settings) -> list:
 
 ROUTER_VALIDATION_SHIFT = 100_000
 """Synthetic seeds that measure the routers start this far after the index's (``route.index_offset``)."""
-
-
-def make_embedder(kind: str, model: Any, tokenizer: Any):
-    from trace_assets.route.retrieval import HiddenStateEmbedder, SentenceEmbedder
-
-    if kind == "minilm":
-        return SentenceEmbedder()
-    if kind == "hidden":
-        return HiddenStateEmbedder(model, tokenizer)
-    raise ValueError(f"route.embedder {kind!r} must be 'minilm' or 'hidden'")
 
 
 def _jsonable_state(state: dict[str, Any]) -> dict[str, Any]:

@@ -22,8 +22,9 @@ from trace_assets import paths
 from trace_assets.assets.identify import capability_partitions, per_capability_automation
 from trace_assets.identify.capabilities import checked_partition_key
 from trace_assets.envs import get_environment
-from trace_assets.reporting import png_metadata, reward_histogram, to_markdown
-from trace_assets.settings import Settings, stable_hash
+from trace_assets.figures import png_metadata, reward_histogram, to_markdown
+from trace_assets.hashing import stable_hash
+from trace_assets.settings import Settings
 from trace_assets.trajectories import render_markdown
 
 GROUP = "synthesize"
@@ -46,7 +47,7 @@ def build_synthesize_assets(settings: Settings) -> list:
     ):
         """The capability's training environment: an EnvSpec interpreted on the target's machinery."""
         from trace_assets.agent.rollout import RolloutConfig, run_rollouts
-        from trace_assets.llm import LLMError
+        from trace_assets.llm_client import LLMError
         from trace_assets.synthesize import (
             SyntheticEnv,
             calibrate,

@@ -16,12 +16,13 @@ from dagster import AssetExecutionContext, AssetKey, DataVersion, Failure, Metad
 from resources.mlflow_registry import DEFAULT_ALIASES, MlflowRegistry
 from resources.models import ModelResource
 from trace_assets import paths
-from trace_assets.assets.foundation import folder_checksum
+from trace_assets.paths import folder_checksum
 from trace_assets.assets.identify import capability_partitions, per_capability_automation
 from trace_assets.identify.capabilities import checked_partition_key
 from trace_assets.envs import get_environment
-from trace_assets.reporting import png_metadata, to_markdown
-from trace_assets.settings import Settings, stable_hash
+from trace_assets.figures import png_metadata, to_markdown
+from trace_assets.hashing import stable_hash
+from trace_assets.settings import Settings
 
 GROUP = "train"
 
@@ -59,7 +60,7 @@ def build_train_assets(settings: Settings) -> list:
         from trace_assets.agent.lora import null_adapter
         from trace_assets.envs.retail.expert import demonstrate
         from trace_assets.synthesize import SyntheticEnv
-        from trace_assets.train.evaluate import EvalConfig, compare_base_and_adapter, promotion
+        from trace_assets.train.heldout import EvalConfig, compare_base_and_adapter, promotion
         from trace_assets.train.grpo import GRPOError, GRPOTrainer
 
         from sensors import record_worker

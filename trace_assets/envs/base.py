@@ -17,12 +17,19 @@ Contracts every implementation must keep:
   They raise only on bugs in the environment itself.
 * ``Episode.result()`` may be called at any time and does not change the episode.
 * All values in ``Task`` and ``EpisodeResult.info`` are JSON-serialisable.
+
+Optional hooks (:class:`TargetHooks`): what generic code that builds *on* a target needs beyond the
+protocol. The warm-start asks for ``expert`` demonstrations; a synthetic environment asks for
+``tool_classes``, ``generate_db`` and ``replay_state`` to perturb and re-score the target's tasks.
+Generic code reaches them through :func:`target_hook`, which names the missing hook when a target
+does not offer it.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 Message = dict[str, Any]
@@ -141,3 +148,33 @@ class Environment(Protocol):
 
     def start(self, task: Task) -> Episode:
         """A fresh episode for ``task``, with its own copy of the database."""
+
+
+class TargetHooks(Protocol):
+    """Optional hooks of a target environment (all or none of them; the built-in ``retail`` has all)."""
+
+    def expert(self, task: Task, *, confirm: bool = True, via: Environment | None = None) -> tuple[list[Message], EpisodeResult]:
+        """The scripted expert's conversation on ``task``, played through ``(via or self).start(task)``,
+        and the episode's result. ``confirm=False``: it writes without asking for confirmation."""
+
+    def tool_classes(self) -> dict[str, frozenset[str]]:
+        """Tool names by class: ``{"auth": ..., "write": ..., "account": ...}`` (account tools need
+        authentication; writes change the state)."""
+
+    def generate_db(self, seed: int) -> Any:
+        """A fresh database of ``seed``: the one ``make_task(family, seed)`` builds its task on."""
+
+    def replay_state(self, db: Any, actions: list[dict[str, Any]]) -> str:
+        """Apply ``actions`` (``{"name", "arguments"}``, authentication included) to ``db`` in place;
+        return the resulting state hash. Raises if an action fails."""
+
+
+def target_hook(env: Any, name: str) -> Callable[..., Any]:
+    """``env``'s optional hook ``name`` (see :class:`TargetHooks`), or an error naming both."""
+    if name not in TargetHooks.__dict__:
+        raise AttributeError(f"{name!r} is not a target hook; known: expert, tool_classes, generate_db, replay_state")
+    hook = getattr(env, name, None)
+    if not callable(hook):
+        raise NotImplementedError(f"environment {getattr(env, 'name', env)!r} does not provide the target hook "
+                                  f"{name}() (see trace_assets.envs.base.TargetHooks)")
+    return hook

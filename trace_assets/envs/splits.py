@@ -15,6 +15,7 @@ train tasks of a family (the warm-start demos), ``train`` the next ``train_per_f
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from trace_assets.envs.base import Environment, Task
 
@@ -44,6 +45,11 @@ def make_splits(env: Environment, *, demo_per_family: int, train_per_family: int
             out[name].extend(env.make_task(family, s) for s in seeds[start : start + counts[name]])
             start += counts[name]
     return out
+
+
+def tasks_of(splits: dict[str, list[dict[str, Any]]], name: str) -> list[Task]:
+    """The tasks of split ``name`` from a stored ``task_splits`` value (tasks as plain dicts)."""
+    return [Task.from_dict(t) for t in splits[name]]
 
 
 class TaskPoolEnv:

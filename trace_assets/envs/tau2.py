@@ -405,7 +405,7 @@ def user_factory(settings: Any = None) -> Callable[[Task], Any]:
         return lambda task: ScriptedUser(task)
     if settings.kind != "llm":
         raise ValueError(f"[user] kind must be 'scripted' or 'llm', got {settings.kind!r}")
-    from trace_assets.llm import ChatClient
+    from trace_assets.llm_client import ChatClient
 
     client = ChatClient(base_url=settings.base_url, model=settings.model)
     return lambda task: LlmUser(task, client, temperature=settings.temperature)
@@ -440,7 +440,7 @@ Example response structure:
 def llm_judge(client: Any, *, max_retries: int = 2) -> Judge:
     """A :data:`Judge` that asks ``client`` (a ``trace_assets.llm.ChatClient``) as tau2-bench's
     NL-assertion evaluator does; one verdict per assertion, in order. Endpoint failures raise."""
-    from trace_assets.llm import complete_json
+    from trace_assets.llm_client import complete_json
 
     def judge(task: Task, transcript: Transcript, assertions: list[str]) -> list[bool]:
         # The user/agent turns in order (tool traffic is not shown, as in tau2-bench).
@@ -473,6 +473,6 @@ def judge_from_settings(settings: Any = None) -> Judge | None:
         settings = load_settings().user
     if not settings.judge_base_url:
         return None
-    from trace_assets.llm import ChatClient
+    from trace_assets.llm_client import ChatClient
 
     return llm_judge(ChatClient(base_url=settings.judge_base_url, model=settings.judge_model or settings.model))

@@ -21,7 +21,7 @@ from importlib import resources
 from typing import Any
 
 from trace_assets.route.router import BASE_NAME
-from trace_assets.settings import stable_hash
+from trace_assets.hashing import stable_hash
 
 LABELS = ("NA", "PRESENT", "LACKING")
 NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]{1,47}$")

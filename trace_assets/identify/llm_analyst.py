@@ -22,7 +22,7 @@ from trace_assets.identify.capabilities import (
     LABELS, MAX_CAPABILITIES, MAX_DESCRIPTION_CHARS, MAX_FAILURE_MODE_CHARS, MAX_FAILURE_MODES, Capability,
     CapabilityNameError, Label, validate_dictionary,
 )
-from trace_assets.llm import ChatClient, complete_json
+from trace_assets.llm_client import ChatClient, complete_json
 from trace_assets.settings import clip, schema_error_text
 
 PROMPT_VERSION = "v1"

@@ -26,10 +26,10 @@ from typing import Any
 
 import polars as pl
 
-from trace_assets.assets.foundation import tasks_of
 from trace_assets.envs import get_environment
-from trace_assets.reporting import to_markdown
-from trace_assets.settings import stable_hash
+from trace_assets.envs.splits import tasks_of
+from trace_assets.figures import to_markdown
+from trace_assets.hashing import stable_hash
 
 BASELINE = "grpo_target"
 NULL_PREFIX = "null:"
@@ -58,9 +58,8 @@ def build_routers(settings, model, tokenizer, router_value, candidates, first_pr
     index state for the configured embedder, a fresh index for the other); ``hybrid`` (on the
     configured embedder). An embedder that cannot load is logged and skipped.
     """
-    from trace_assets.route.retrieval import HybridRouter, RetrievalRouter
+    from trace_assets.route.retrieval import HybridRouter, RetrievalRouter, make_embedder
     from trace_assets.route.router import LogitRouter, RouterCandidate
-    from trace_assets.assets.route import make_embedder
 
     cands = [RouterCandidate(c["name"], c["description"], c["example"]) for c in candidates]
     out: dict[str, list] = {}

@@ -157,6 +157,15 @@ class SentenceEmbedder:
 # ---------------------------------------------------------------- the retrieval router
 
 
+def make_embedder(kind: str, model: Any, tokenizer: Any) -> Embedder:
+    """The ``route.embedder`` named ``kind``: ``minilm`` (sentence model) or ``hidden`` (the base's states)."""
+    if kind == "minilm":
+        return SentenceEmbedder()
+    if kind == "hidden":
+        return HiddenStateEmbedder(model, tokenizer)
+    raise ValueError(f"route.embedder {kind!r} must be 'minilm' or 'hidden'")
+
+
 def _key_str(label: str | None) -> str:
     return BASE_KEY if label is None else label
 

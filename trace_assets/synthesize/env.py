@@ -41,7 +41,7 @@ import math
 import random
 from typing import Any
 
-from trace_assets.envs.base import Environment, EpisodeResult, Message, Task, jsonable
+from trace_assets.envs.base import Environment, EpisodeResult, Message, Task, jsonable, target_hook
 from trace_assets.synthesize.rubric import CallRecord, Trace, evaluate, text_slots
 from trace_assets.synthesize.spec import (
     difficulty_of,
@@ -303,10 +303,7 @@ class SyntheticEnv:
         start, end = self.seed_range
         if not (isinstance(seed, int) and start <= seed < end):
             raise ValueError(f"seed {seed} is outside {self.name}'s seed range [{start}, {end})")
-        from trace_assets.envs.retail.db import generate_db
-        from trace_assets.envs.retail.tasks import replay_actions
-        from trace_assets.envs.retail.tools import WRITE_TOOLS
-
+        write_tools = target_hook(self.target, "tool_classes")()["write"]
         base = self.target.make_task(family, seed)
         scenario = copy.deepcopy(base.scenario)
         intents = scenario["intents"]
@@ -323,22 +320,22 @@ class SyntheticEnv:
             intents[writes[-1]]["confirm"] = False  # the expert still proposes it; the user says no
         gold = [_auth_action(scenario)] + [
             action for intent, group in zip(intents, intent_actions) for action in group
-            if intent["confirm"] or action["name"] not in WRITE_TOOLS
+            if intent["confirm"] or action["name"] not in write_tools
         ]
         volunteered = _uniform("volunteer", family, seed) < self.difficulty["volunteer_identity"]
         if volunteered:
             scenario["opening"] = f"Hi! {_identity_sentence(scenario)} {intents[0]['request']}"
         hinted = bool(self.spec.get("hint")) and _uniform("hint", family, seed) < self.difficulty["hint_share"]
 
-        db = generate_db(seed)
+        db = target_hook(self.target, "generate_db")(seed)
         distractors = _distractor_orders(db, scenario, int(self.difficulty["distractor_orders"]), family, seed)
         if distractors or declined:
             apply_distractors(db, distractors)
-            expected = replay_actions(db, gold).state_hash()
+            expected = target_hook(self.target, "replay_state")(db, gold)
         else:  # the authentication call never changes the state
             expected = base.expected_state_hash
         meta.update({"intent_actions": intent_actions,
-                     "gold_writes": [a["name"] for a in gold if a["name"] in WRITE_TOOLS],
+                     "gold_writes": [a["name"] for a in gold if a["name"] in write_tools],
                      "hinted": hinted, "volunteered": volunteered, "declined": declined,
                      "id_method": scenario["id_method"], "distractor_orders": distractors})
         return Task(

@@ -25,7 +25,7 @@ from typing import Any
 
 from trace_assets.envs.base import Environment
 from trace_assets.envs.splits import SYNTHETIC_SEED_BASE
-from trace_assets.llm import ChatClient, LLMError, complete_json, extract_json
+from trace_assets.llm_client import ChatClient, LLMError, complete_json, extract_json
 from trace_assets.synthesize.env import family_complexity
 from trace_assets.synthesize.spec import GROUPS, envspec_schema
 from trace_assets.synthesize.template import template_spec
@@ -50,7 +50,7 @@ def prompt_template() -> Template:
 
 def prompt_hash() -> str:
     """Changes whenever the prompt file changes: part of the synthesizer's code version."""
-    from trace_assets.settings import stable_hash
+    from trace_assets.hashing import stable_hash
 
     return stable_hash(prompt_template().template)
 

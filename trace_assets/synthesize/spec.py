@@ -26,9 +26,10 @@ from typing import Any
 
 import jsonschema
 
-from trace_assets.envs.base import Environment
+from trace_assets.envs.base import Environment, target_hook
 from trace_assets.envs.splits import SYNTHETIC_SEED_BASE
-from trace_assets.settings import schema_error_text, stable_hash
+from trace_assets.hashing import stable_hash
+from trace_assets.settings import schema_error_text
 
 SCHEMA_FILE = "envspec.schema.json"
 SCHEMA_VERSION = "2"
@@ -87,13 +88,13 @@ def tool_groups(target_env: Environment) -> dict[str, frozenset[str]]:
     names = [s["function"]["name"] for s in target_env.tool_schemas()]
     if target_env.name != "retail":  # only the retail target is supported (see the schema's target.env)
         raise SpecError([f"target environment {target_env.name!r} is not supported; only 'retail'"])
-    from trace_assets.envs.retail.tools import ACCOUNT_TOOLS, AUTH_TOOLS, WRITE_TOOLS
+    classes = target_hook(target_env, "tool_classes")()
 
     return {
-        "@auth": frozenset(AUTH_TOOLS),
-        "@write": frozenset(WRITE_TOOLS),
-        "@account": frozenset(ACCOUNT_TOOLS),
-        "@read": frozenset(n for n in names if n not in WRITE_TOOLS),
+        "@auth": frozenset(classes["auth"]),
+        "@write": frozenset(classes["write"]),
+        "@account": frozenset(classes["account"]),
+        "@read": frozenset(n for n in names if n not in classes["write"]),
         "@any": frozenset(names),
     }
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trace_assets.envs.base import Environment, Task
+from trace_assets.envs.base import Environment, Task, target_hook
 from trace_assets.synthesize.env import SyntheticEnv
 from trace_assets.synthesize.spec import KNOBS, SpecError, difficulty_of, fidelity, schema_errors
 
@@ -42,8 +42,6 @@ def gold_solvable(spec: dict[str, Any], target_env: Environment, seeds: int | It
 
     ``seeds``: synthetic seeds, or a count of seeds from the start of the spec's range.
     """
-    from trace_assets.envs.retail.expert import demonstrate
-
     try:
         env = SyntheticEnv(spec, target_env)
     except SpecError as exc:
@@ -56,7 +54,7 @@ def gold_solvable(spec: dict[str, Any], target_env: Environment, seeds: int | It
             where = f"{family}/{seed}"
             try:
                 task = env.make_task(family, seed)
-                _, result = demonstrate(env, task)
+                _, result = target_hook(target_env, "expert")(task, via=env)
             except Exception as exc:  # a gold step the spec makes impossible (e.g. a tool outside the subset)
                 problems.append(f"{where}: the gold solution cannot be played: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
@@ -280,7 +278,7 @@ def isolation_markdown(reports: Sequence[dict[str, Any]]) -> str:
 
 def isolation_heatmap(reports: Sequence[dict[str, Any]], *, title: str = "") -> bytes:
     """PNG heatmap of success per (environment, agent), the cells of :func:`isolation_markdown`."""
-    from trace_assets.reporting import heatmap
+    from trace_assets.figures import heatmap
 
     agents = [r["agent"] for r in reports[0]["rows"]]
     values = []

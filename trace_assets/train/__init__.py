@@ -1,7 +1,7 @@
 """TRACE Step 3 (Train): one LoRA adapter per capability, trained with GRPO on its SyntheticEnv.
 
 Modules: ``grpo`` (``GRPOConfig``, ``GRPOTrainer``, the advantage/loss math, checkpoints),
-``evaluate`` (greedy reward of the base vs the adapter on held-out seeds). The MLflow registry that
+``heldout`` (greedy reward of the base vs the adapter on held-out synthetic seeds). The MLflow registry that
 stores the adapters is the resource ``resources.mlflow_registry.MlflowRegistry``.
 """
 

@@ -26,9 +26,9 @@ from importlib import resources
 from typing import Any
 
 from ..base import EpisodeResult, Message, Task, jsonable
-from .db import generate_db
-from .tasks import FAMILIES, make_task
-from .tools import TOOL_SCHEMAS, WRITE_TOOLS, Session, run_tool
+from .db import RetailDB, generate_db
+from .tasks import FAMILIES, make_task, replay_actions
+from .tools import ACCOUNT_TOOLS, AUTH_TOOLS, TOOL_SCHEMAS, WRITE_TOOLS, Session, run_tool
 from .user import ScriptedUser
 
 MIN_ECHO_CHARS = 12
@@ -172,7 +172,7 @@ class RetailEpisode:
 
 
 class RetailEnv:
-    """The built-in retail target environment (see base.Environment)."""
+    """The built-in retail target environment (see base.Environment), with every base.TargetHooks hook."""
 
     name = "retail"
 
@@ -209,3 +209,19 @@ class RetailEnv:
         for text in say or []:
             episode.record_assistant_text(text)
         return episode.result()
+
+    # ---- target hooks (base.TargetHooks) ----------------------------------------------------
+
+    def expert(self, task: Task, *, confirm: bool = True, via: Any = None) -> tuple[list[Message], EpisodeResult]:
+        from .expert import demonstrate
+
+        return demonstrate(via or self, task, confirm=confirm)
+
+    def tool_classes(self) -> dict[str, frozenset[str]]:
+        return {"auth": AUTH_TOOLS, "write": WRITE_TOOLS, "account": ACCOUNT_TOOLS}
+
+    def generate_db(self, seed: int) -> RetailDB:
+        return generate_db(seed)
+
+    def replay_state(self, db: RetailDB, actions: list[dict[str, Any]]) -> str:
+        return replay_actions(db, actions).state_hash()

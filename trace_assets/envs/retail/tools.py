@@ -2,8 +2,10 @@
 
 Contract:
 
-* :data:`TOOL_SCHEMAS` lists every tool as ``{"type": "function", "function": {name, description,
-  parameters}}``; descriptions are terse because they ride in every prompt.
+* Each tool is declared once, by the :func:`tool` decorator on its handler (schema and handler
+  side by side, as tau2-bench's toolkit does), in the order :data:`TOOL_SCHEMAS` lists them:
+  ``{"type": "function", "function": {name, description, parameters}}``; descriptions are terse
+  because they ride in every prompt.
 * :func:`run_tool` never raises on agent mistakes. It returns a :class:`ToolOutcome` whose
   ``observation`` is compact JSON (or a plain id / message) on success and starts with
   ``"Error:"`` on failure. A failure that breaks a written policy rule also carries a
@@ -20,7 +22,7 @@ Contract:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from .db import CANCEL_REASONS, RetailDB, cents, money
@@ -41,29 +43,6 @@ def _schema(name: str, description: str, **params: dict[str, Any]) -> dict[str, 
 
 _S = {"type": "string"}
 _LIST = {"type": "array", "items": {"type": "string"}}
-
-TOOL_SCHEMAS: list[dict[str, Any]] = [
-    _schema("find_user_id_by_email", "Authenticate a user by email.", email=_S),
-    _schema("find_user_id_by_name_zip", "Authenticate a user by name and zip.",
-            first_name=_S, last_name=_S, zip=_S),
-    _schema("get_user_details", "User profile, payment methods, orders.", user_id=_S),
-    _schema("get_order_details", "Order status, items, total.", order_id=_S),
-    _schema("get_product_details", "Product variants and their item ids.", product_id=_S),
-    _schema("cancel_pending_order", "Cancel a pending order.", order_id=_S,
-            reason={"type": "string", "enum": list(CANCEL_REASONS)}),
-    _schema("modify_pending_order_address", "Change a pending order's address.",
-            order_id=_S, address1=_S, city=_S, zip=_S),
-    _schema("return_delivered_order_items", "Return delivered items.",
-            order_id=_S, item_ids=_LIST, payment_method_id=_S),
-    _schema("exchange_delivered_order_items", "Exchange delivered items for new variants.",
-            order_id=_S, item_ids=_LIST, new_item_ids=_LIST, payment_method_id=_S),
-    _schema("modify_user_address", "Change a user's address.",
-            user_id=_S, address1=_S, city=_S, zip=_S),
-    _schema("transfer_to_human_agents", "Transfer to a human agent.", summary=_S),
-]
-
-TOOL_NAMES: list[str] = [schema["function"]["name"] for schema in TOOL_SCHEMAS]
-_PARAMS = {s["function"]["name"]: s["function"]["parameters"]["properties"] for s in TOOL_SCHEMAS}
 
 AUTH_TOOLS = frozenset({"find_user_id_by_email", "find_user_id_by_name_zip"})
 WRITE_TOOLS = frozenset({
@@ -102,16 +81,34 @@ class ToolOutcome:
     violation: dict[str, str] | None = None
 
 
-@dataclass
-class _Registry:
-    handlers: dict[str, Callable[[Session, dict[str, Any]], Any]] = field(default_factory=dict)
-
-    def register(self, fn: Callable[[Session, dict[str, Any]], Any]) -> Callable[[Session, dict[str, Any]], Any]:
-        self.handlers[fn.__name__.removeprefix("_")] = fn
-        return fn
+Handler = Callable[[Session, dict[str, Any]], Any]
 
 
-_TOOLS = _Registry()
+@dataclass(frozen=True)
+class Tool:
+    """One retail tool: its OpenAI-format schema and the handler that runs it, declared together."""
+
+    schema: dict[str, Any]
+    handler: Handler
+
+    @property
+    def name(self) -> str:
+        return self.schema["function"]["name"]
+
+
+_TOOLS: dict[str, Tool] = {}  # in declaration order: the order of TOOL_SCHEMAS in every prompt
+
+
+def tool(name: str, description: str, **params: dict[str, Any]) -> Callable[[Handler], Handler]:
+    """Declare the decorated handler as tool ``name``, with this description and these parameters."""
+
+    def register(handler: Handler) -> Handler:
+        if name in _TOOLS:
+            raise ValueError(f"retail tool {name!r} is declared twice")
+        _TOOLS[name] = Tool(_schema(name, description, **params), handler)
+        return handler
+
+    return register
 
 
 def _dump(value: Any) -> str:
@@ -150,7 +147,7 @@ def run_tool(session: Session, name: str, arguments: Any) -> ToolOutcome:
         return ToolOutcome("Error: authenticate the user first", ok=False,
                            violation={"rule": "auth_before_action", "detail": name})
     try:
-        result = _TOOLS.handlers[name](session, arguments)
+        result = _TOOLS[name].handler(session, arguments)
     except ToolError as exc:
         violation = {"rule": exc.rule, "detail": f"{name}: {exc.message}"} if exc.rule else None
         return ToolOutcome(f"Error: {exc.message}", ok=False, violation=violation)
@@ -239,7 +236,7 @@ def _order_view(session: Session, order: dict[str, Any]) -> dict[str, Any]:
 # ---- the tools -------------------------------------------------------------------------------
 
 
-@_TOOLS.register
+@tool("find_user_id_by_email", "Authenticate a user by email.", email=_S)
 def _find_user_id_by_email(session: Session, args: dict[str, Any]) -> str:
     email = args["email"].strip().lower()
     for user in session.db.users.values():
@@ -248,7 +245,8 @@ def _find_user_id_by_email(session: Session, args: dict[str, Any]) -> str:
     raise ToolError("user not found")
 
 
-@_TOOLS.register
+@tool("find_user_id_by_name_zip", "Authenticate a user by name and zip.",
+      first_name=_S, last_name=_S, zip=_S)
 def _find_user_id_by_name_zip(session: Session, args: dict[str, Any]) -> str:
     first, last, zip_code = args["first_name"].strip().lower(), args["last_name"].strip().lower(), args["zip"].strip()
     for user in session.db.users.values():
@@ -257,7 +255,7 @@ def _find_user_id_by_name_zip(session: Session, args: dict[str, Any]) -> str:
     raise ToolError("user not found")
 
 
-@_TOOLS.register
+@tool("get_user_details", "User profile, payment methods, orders.", user_id=_S)
 def _get_user_details(session: Session, args: dict[str, Any]) -> dict[str, Any]:
     user = _own_user(session, args["user_id"])
     methods = []
@@ -276,12 +274,12 @@ def _get_user_details(session: Session, args: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-@_TOOLS.register
+@tool("get_order_details", "Order status, items, total.", order_id=_S)
 def _get_order_details(session: Session, args: dict[str, Any]) -> dict[str, Any]:
     return _order_view(session, _own_order(session, args["order_id"]))
 
 
-@_TOOLS.register
+@tool("get_product_details", "Product variants and their item ids.", product_id=_S)
 def _get_product_details(session: Session, args: dict[str, Any]) -> dict[str, Any]:
     product = session.db.products.get(args["product_id"])
     if product is None:
@@ -300,7 +298,8 @@ def _refund(session: Session, order: dict[str, Any], payment_method_id: str, amo
         method["balance"] = cents(method["balance"] + amount)
 
 
-@_TOOLS.register
+@tool("cancel_pending_order", "Cancel a pending order.",
+      order_id=_S, reason={"type": "string", "enum": list(CANCEL_REASONS)})
 def _cancel_pending_order(session: Session, args: dict[str, Any]) -> dict[str, Any]:
     order = _own_order(session, args["order_id"])
     _require_status(order, "pending", "cancelled")
@@ -312,7 +311,8 @@ def _cancel_pending_order(session: Session, args: dict[str, Any]) -> dict[str, A
             "payment_method_id": order["payment_method_id"]}
 
 
-@_TOOLS.register
+@tool("modify_pending_order_address", "Change a pending order's address.",
+      order_id=_S, address1=_S, city=_S, zip=_S)
 def _modify_pending_order_address(session: Session, args: dict[str, Any]) -> dict[str, Any]:
     order = _own_order(session, args["order_id"])
     _require_status(order, "pending", "modified")
@@ -320,7 +320,8 @@ def _modify_pending_order_address(session: Session, args: dict[str, Any]) -> dic
     return {"order_id": order["order_id"], "address": order["address"]}
 
 
-@_TOOLS.register
+@tool("return_delivered_order_items", "Return delivered items.",
+      order_id=_S, item_ids=_LIST, payment_method_id=_S)
 def _return_delivered_order_items(session: Session, args: dict[str, Any]) -> dict[str, Any]:
     order = _own_order(session, args["order_id"])
     _require_status(order, "delivered", "returned")
@@ -336,7 +337,8 @@ def _return_delivered_order_items(session: Session, args: dict[str, Any]) -> dic
             "payment_method_id": method["id"]}
 
 
-@_TOOLS.register
+@tool("exchange_delivered_order_items", "Exchange delivered items for new variants.",
+      order_id=_S, item_ids=_LIST, new_item_ids=_LIST, payment_method_id=_S)
 def _exchange_delivered_order_items(session: Session, args: dict[str, Any]) -> dict[str, Any]:
     order = _own_order(session, args["order_id"])
     _require_status(order, "delivered", "exchanged")
@@ -377,17 +379,19 @@ def _exchange_delivered_order_items(session: Session, args: dict[str, Any]) -> d
     return outcome
 
 
-@_TOOLS.register
+@tool("modify_user_address", "Change a user's address.", user_id=_S, address1=_S, city=_S, zip=_S)
 def _modify_user_address(session: Session, args: dict[str, Any]) -> dict[str, Any]:
     user = _own_user(session, args["user_id"])
     user["address"] = _address(args)
     return {"user_id": user["user_id"], "address": user["address"]}
 
 
-@_TOOLS.register
+@tool("transfer_to_human_agents", "Transfer to a human agent.", summary=_S)
 def _transfer_to_human_agents(session: Session, args: dict[str, Any]) -> str:
     session.transferred = True
     return "Transfer successful"
 
 
-assert set(_TOOLS.handlers) == set(TOOL_NAMES), "every schema needs a handler"
+TOOL_SCHEMAS: list[dict[str, Any]] = [t.schema for t in _TOOLS.values()]
+TOOL_NAMES: list[str] = list(_TOOLS)
+_PARAMS = {t.name: t.schema["function"]["parameters"]["properties"] for t in _TOOLS.values()}

@@ -1,4 +1,4 @@
-"""Tables for humans: polars frames rendered as markdown for asset metadata, the CLI and MLflow."""
+"""Tables and plots for humans: polars frames as markdown, PNG charts, for asset metadata, the CLI and MLflow."""
 
 from __future__ import annotations
 

@@ -1,0 +1,74 @@
+"""The warm-start's memory levers change neither its loss nor its gradients.
+
+Reference: the textbook computation, a full forward with HF's own causal-LM loss (full-vocabulary
+logits at every position, labels -100 outside assistant tokens, mean over the batch's assistant
+tokens). ``accumulate_batch_gradients`` must match it with micro-batches of 3 (the shared-prefix KV
+path), of 1, and of 1 or 2 under gradient checkpointing. Tolerance: fp32, 1e-5 relative on the
+loss, 1e-4 relative (of the largest entry) on every LoRA gradient.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trace_assets.agent.lora import add_lora, lora_config
+from trace_assets.agent.model import load_model
+from trace_assets.agent.warmstart import accumulate_batch_gradients, demonstrations, tokenize_demo
+from trace_assets.envs import get_environment
+from trace_assets.envs.splits import make_splits
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_path):
+    env = get_environment("retail")
+    tasks = make_splits(env, demo_per_family=1, train_per_family=0, test_per_family=0, seed=0)["demo"][:3]
+    model, tokenizer = load_model(str(tiny_model_path))
+    torch.manual_seed(0)
+    peft_model = add_lora(model, lora_config(r=4, alpha=8))
+    with torch.no_grad():  # a trained-looking adapter: B = 0 would make every gradient of A vanish
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.02)
+    demos = demonstrations(env, tasks, confirm_rate=0.5, seed=0)
+    batch = [tokenize_demo(tokenizer, d, env.tool_schemas(), 1400) for d in demos]  # short: seconds, not minutes
+    return peft_model, batch, tokenizer.pad_token_id
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _reference(model, batch, pad):
+    model.zero_grad(set_to_none=True)
+    width = max(len(ids) for ids, _ in batch)
+    ids = torch.tensor([x + [pad] * (width - len(x)) for x, _ in batch])
+    att = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in batch])
+    mask = torch.tensor([m + [0] * (width - len(m)) for _, m in batch])
+    labels = ids.masked_fill(mask == 0, -100)
+    loss = model(input_ids=ids, attention_mask=att, labels=labels).loss
+    loss.backward()
+    return float(loss.detach()), _grads(model)
+
+
+@pytest.mark.parametrize("micro,checkpointed", [(3, False), (1, False), (1, True), (2, True)])
+def test_loss_and_gradients_match_the_full_logits_reference(setup, micro, checkpointed):
+    model, batch, pad = setup
+    assert len({tuple(ids[:64]) for ids, _ in batch}) == 1  # a shared prefix: micro 3 takes the KV path
+    model.train()
+    ref_loss, ref_grads = _reference(model, batch, pad)
+    if checkpointed:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        model.zero_grad(set_to_none=True)
+        loss = accumulate_batch_gradients(model, batch, pad=pad, micro_batch_size=micro, use_bf16=False,
+                                          checkpointed=checkpointed)
+        grads = _grads(model)
+    finally:
+        model.gradient_checkpointing_disable()
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name, ref in ref_grads.items():
+        scale = float(ref.abs().max())
+        assert scale > 0, name
+        assert float((grads[name] - ref).abs().max()) <= 1e-4 * scale, name

@@ -1,0 +1,284 @@
+"""The demo's orchestrator: materialize what is missing or stale, in waves, until all is fresh.
+
+``trace demo`` (``cli.py``) calls :func:`run_stale` inside :func:`demo_lock` on the persistent
+Dagster instance. A wave is planned from the stale status of every (asset, partition) item
+(:func:`stale_items`, :func:`plan_wave`); items downstream of a failure (:func:`blocked_items`) and
+the partitions of capabilities that left C* (:func:`departed_items`) are left alone. Nothing here
+prints: progress goes to a ``log(kind, message)`` callable, ``kind`` one of ``"run"`` (a run
+starts), ``"failed"`` (a run failed) and ``"recovered"`` (a killed demo's run was cleaned up).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+
+from trace_assets import paths
+
+DEMO_PID_TAG = "trace/demo_pid"
+PEAK_RSS_TAG = "trace/peak_rss_mb"
+"""Run tag: JSON ``{step_key: MB}``, the peak resident memory of the demo process tree during each step."""
+
+
+def _dagster_private() -> SimpleNamespace:
+    """Every private Dagster API the orchestrator uses, in one place. Written against dagster 1.13.27.
+
+    Dagster has no public API for the stale status the UI shows (``CachingStaleStatusResolver``,
+    ``StaleStatus``); the resolver wants a loading context, and ``LoadingContextForTest`` is the
+    plain one that needs no request scope. On a Dagster upgrade, check this function first.
+    """
+    from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
+    from dagster._core.loader import LoadingContextForTest
+
+    def stale_status_resolver(instance, graph):
+        """``status_of(asset_key, partition_key=None) -> StaleStatus`` over ``graph`` in ``instance``."""
+        return CachingStaleStatusResolver(instance, asset_graph=graph, loading_context=LoadingContextForTest(instance)).get_status
+
+    return SimpleNamespace(StaleStatus=StaleStatus, stale_status_resolver=stale_status_resolver)
+
+
+def _print_log(kind: str, message: str) -> None:
+    print(f"[{kind}] {message}", flush=True)
+
+
+def tree_rss_bytes(pid: int | None = None) -> int | None:
+    """Resident memory of process ``pid`` (default: this one) plus all its descendants (e.g. a vLLM
+    engine process), from ``/proc``; None where there is no ``/proc`` (macOS)."""
+    root = pid or os.getpid()
+    proc = Path("/proc")
+    if not (proc / str(root) / "statm").exists():
+        return None
+    children: dict[int, list[int]] = {}
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the process ended while we looked
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    page, total, todo = os.sysconf("SC_PAGE_SIZE"), 0, [root]
+    while todo:
+        current = todo.pop()
+        try:
+            total += int((proc / str(current) / "statm").read_text().split()[1]) * page
+        except (OSError, IndexError, ValueError):
+            continue
+        todo.extend(children.get(current, []))
+    return total
+
+
+class RssSampler:
+    """Samples :func:`tree_rss_bytes` every ``interval_s`` in a daemon thread while in ``with``.
+
+    Sampled, not exact: a spike shorter than ``interval_s`` can be missed (training and engine
+    memory stay up for seconds, so the peaks that matter are caught).
+    """
+
+    def __init__(self, interval_s: float = 0.25) -> None:
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss = tree_rss_bytes()
+            if rss is None:
+                return
+            self.samples.append((time.time(), rss))
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def peak_mb(self, start: float, end: float) -> int | None:
+        """The largest sample in ``[start, end]`` (UNIX seconds) in MB, or None if none fell there."""
+        inside = [rss for t, rss in self.samples if start <= t <= end]
+        return round(max(inside) / 2**20) if inside else None
+
+
+def step_peaks_mb(instance, run_id: str, sampler: RssSampler) -> dict[str, int]:
+    """``{step_key: peak MB}`` of one finished run, from its step start/end events and the samples."""
+    from dagster import DagsterEventType
+
+    ends = {DagsterEventType.STEP_SUCCESS, DagsterEventType.STEP_FAILURE}
+    starts: dict[str, float] = {}
+    peaks: dict[str, int] = {}
+    for entry in instance.all_logs(run_id, of_type={DagsterEventType.STEP_START, *ends}):
+        if entry.dagster_event.event_type in ends and entry.step_key in starts:
+            peak = sampler.peak_mb(starts[entry.step_key], entry.timestamp)
+            if peak is not None:
+                peaks[entry.step_key] = peak
+        else:
+            starts[entry.step_key] = entry.timestamp
+    return peaks
+
+
+def stale_items(defs, instance) -> dict[tuple, object]:
+    """``{(asset_key, partition_key | None): StaleStatus}`` for every materializable asset
+    (every registered partition of a partitioned one)."""
+    graph = defs.resolve_asset_graph()
+    status_of = _dagster_private().stale_status_resolver(instance, graph)
+    out = {}
+    for key in graph.materializable_asset_keys:
+        partitions_def = graph.get(key).partitions_def
+        if partitions_def is None:
+            out[(key, None)] = status_of(key)
+        else:
+            for pk in partitions_def.get_partition_keys(dynamic_partitions_store=instance):
+                out[(key, pk)] = status_of(key, pk)
+    return out
+
+
+def plan_wave(defs, statuses: dict) -> list[tuple[str | None, list]]:
+    """The next runs: ``[(partition_key, asset_keys)]``. Unpartitioned work comes first, unless it
+    waits on stale partitions; missing assets run together with their missing descendants;
+    otherwise only the roots of staleness run, because a re-materialization that reproduces the
+    same data version leaves everything below it fresh."""
+    StaleStatus = _dagster_private().StaleStatus
+
+    graph = defs.resolve_asset_graph()
+    stale = {item: s for item, s in statuses.items() if s != StaleStatus.FRESH}
+    stale_keys = {k for k, _ in stale}
+    stale_partitioned = {k for k, pk in stale if pk is not None}
+
+    def pick(items: dict) -> list:
+        keys = {k for k, _ in items}
+        if any(s == StaleStatus.MISSING for s in items.values()):
+            return sorted(keys)
+        return sorted(k for k in keys if not (graph.get_ancestor_asset_keys(k) - {k}) & stale_keys)
+
+    def waits(k) -> bool:
+        """An unpartitioned asset above partitioned ones waits until all its ancestors are fresh:
+        until they are, the set of partitions it would read is not even known."""
+        ancestors = graph.get_ancestor_asset_keys(k) - {k}
+        if any(graph.get(a).partitions_def is not None for a in ancestors):
+            return bool(ancestors & stale_keys)
+        return bool(ancestors & stale_partitioned)
+
+    unpartitioned = {(k, pk): s for (k, pk), s in stale.items() if pk is None and not waits(k)}
+    if unpartitioned:
+        return [(None, pick(unpartitioned))]
+    runs = []
+    for pk in sorted({pk for _, pk in stale if pk is not None}):
+        runs.append((pk, pick({(k, p): s for (k, p), s in stale.items() if p == pk})))
+    return runs
+
+
+def departed_items(graph, instance, items) -> set[tuple]:
+    """Items of capability partitions that are no longer in C*: kept with their history, not
+    recomputed (e.g. after a settings change made every partition stale). ``capability_spec`` is
+    the exception: it re-runs to record that the capability left (``selected: false``). C* is read
+    from the latest ``selected_capabilities`` materialization; before there is one, nothing is
+    departed."""
+    from dagster import AssetKey
+
+    event = instance.get_latest_materialization_event(AssetKey("selected_capabilities"))
+    if event is None or "c_star" not in event.asset_materialization.metadata:
+        return set()
+    c_star = set(event.asset_materialization.metadata["c_star"].value)
+    return {(k, pk) for (k, pk) in items
+            if pk is not None and graph.get(k).partitions_def is not None
+            and getattr(graph.get(k).partitions_def, "name", None) == "capability" and pk not in c_star
+            and k != AssetKey("capability_spec")}
+
+
+def blocked_items(graph, items, failed: set[tuple]) -> set[tuple]:
+    """The ``(asset_key, partition_key)`` items a failure blocks for the rest of the invocation.
+
+    A failed item blocks itself and its descendants in the same partition (every partition when it
+    was unpartitioned). A failed capability partition does not block the unpartitioned Step-4
+    assets: they go on with the capabilities that trained, and name the others.
+    """
+    return {
+        (k, pk) for (k, pk) in items
+        for (fk, fpk) in failed
+        if (fpk is None or pk == fpk) and (k == fk or fk in graph.get_ancestor_asset_keys(k))
+    }
+
+
+def run_stale(defs, instance, job_name: str, *, max_waves: int = 50,
+              log: Callable[[str, str], None] = _print_log) -> tuple[list[str], list[str]]:
+    """Materialize missing/stale assets in waves until everything is fresh.
+
+    Returns the run ids and a description of every failed run. ``log(kind, message)`` hears of
+    each run before it starts and of each failure (``cli`` presents them).
+
+    A run that fails (or whose blocking check fails) is reported and not retried in this
+    invocation; its partition's siblings and unrelated assets go on.
+    """
+    job = defs.resolve_job_def(job_name)
+    graph = defs.resolve_asset_graph()
+    run_ids: list[str] = []
+    failures: list[str] = []
+    failed: set[tuple] = set()
+    with RssSampler() as sampler:  # peak memory per step, for the closing table
+        for _ in range(max_waves):
+            statuses = stale_items(defs, instance)
+            blocked = blocked_items(graph, statuses, failed) | departed_items(graph, instance, statuses)
+            runs = plan_wave(defs, {item: s for item, s in statuses.items() if item not in blocked})
+            runs = [(pk, keys) for pk, keys in runs if keys]
+            if not runs:
+                break
+            for partition_key, keys in runs:
+                where = f" [{partition_key}]" if partition_key else ""
+                log("run", f"materializing {', '.join(k.to_user_string() for k in keys)}{where}")
+                result = job.execute_in_process(
+                    instance=instance, asset_selection=keys, partition_key=partition_key, raise_on_error=False,
+                    tags={DEMO_PID_TAG: str(os.getpid())},
+                )
+                run_ids.append(result.run_id)
+                peaks = step_peaks_mb(instance, result.run_id, sampler)
+                if peaks:  # the closing table reads it; the UI shows it with the run's tags
+                    instance.add_run_tags(result.run_id, {PEAK_RSS_TAG: json.dumps(peaks, sort_keys=True)})
+                if not result.success:
+                    failed.update((k, partition_key) for k in keys)
+                    failures.append(f"run {result.run_id}: {[k.to_user_string() for k in keys]}{where}")
+                    log("failed", f"run {result.run_id} failed for {[k.to_user_string() for k in keys]}{where}; "
+                        f"see `make ui` for the logs. Continuing with the rest.")
+    return run_ids, failures
+
+
+@contextlib.contextmanager
+def demo_lock(instance, log: Callable[[str, str], None] = _print_log):
+    """One ``trace demo`` per data folder, and recovery from a killed one.
+
+    ``trace demo`` runs its steps in its own process (no daemon) and tags each run with its pid. If
+    a run's process is killed (kill -9, a reboot), the run stays STARTED and keeps its ``train``
+    pool slot claimed, so the next training step would wait forever. So: ``sensors.reap_dead_runs``
+    marks runs whose recorded process is gone failed and frees their slots (the same function the
+    ``dead_run_reaper`` sensor runs for runs launched from the UI or the CLI). The lock file names
+    the running demo's pid; a second demo on the same data folder refuses to start while that
+    process lives.
+    """
+    from sensors import process_alive, reap_dead_runs
+
+    lock = paths.data_dir() / ".demo.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    if lock.exists():
+        try:
+            holder = int(lock.read_text().strip() or 0)
+        except ValueError:
+            holder = 0
+        if holder and holder != os.getpid() and process_alive(holder):
+            raise SystemExit(f"another `trace demo` (pid {holder}) is running on {paths.data_dir()}; "
+                             f"wait for it, or stop it and run again")
+    reap_dead_runs(instance, lambda message: log("recovered", message))
+    lock.write_text(str(os.getpid()))
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+    return True
+
+

@@ -1,0 +1,117 @@
+"""The null control, the promotion gate and agent-keyed trajectories (what makes Step 3's and
+Step 4's figures mean what they say; fidelity itself is tests/test_adapter_fidelity.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import duckdb
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trace_assets.agent.identity import agent_id, agent_identity, generation_identity
+from trace_assets.agent.lora import null_adapter
+from trace_assets.train.heldout import EvalReport, promotion
+
+
+def _pairs(weights: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    return {k: (weights[k], weights[k.replace(".lora_A.", ".lora_B.")]) for k in weights if ".lora_A." in k}
+
+
+def test_null_adapter_keeps_each_layers_norm_with_random_directions(tiny_model_path: Path, tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    from trace_assets.agent.model import load_model
+
+    torch.manual_seed(0)
+    peft = get_peft_model(load_model(str(tiny_model_path))[0], LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"],
+                                                                          init_lora_weights=False))
+    peft.save_pretrained(tmp_path / "trained")
+    null = null_adapter(tmp_path / "trained", tmp_path / "null", seed=7)
+    assert json.loads((null / "adapter_config.json").read_text()) == json.loads((tmp_path / "trained" / "adapter_config.json").read_text())
+    trained, control = _pairs(load_file(str(tmp_path / "trained" / "adapter_model.safetensors"))), _pairs(load_file(str(null / "adapter_model.safetensors")))
+    assert trained.keys() == control.keys() and len(trained) == 4  # 2 layers x 2 modules
+    for key, (a, b) in trained.items():
+        delta, twin = (b @ a).flatten(), (control[key][1] @ control[key][0]).flatten()
+        assert torch.linalg.norm(twin) == pytest.approx(float(torch.linalg.norm(delta)), rel=1e-4)
+        assert abs(float(torch.nn.functional.cosine_similarity(delta, twin, dim=0))) < 0.3  # another direction
+    again = load_file(str(null_adapter(tmp_path / "trained", tmp_path / "again", seed=7) / "adapter_model.safetensors"))
+    other = load_file(str(null_adapter(tmp_path / "trained", tmp_path / "other", seed=8) / "adapter_model.safetensors"))
+    first = load_file(str(null / "adapter_model.safetensors"))
+    assert all(torch.equal(first[k], again[k]) for k in first)  # seeded
+    assert any(not torch.equal(first[k], other[k]) for k in first)
+
+
+def _report(policy: str, successes: list[bool]) -> EvalReport:
+    n = len(successes)
+    return EvalReport(policy=policy, n=n, mean_reward=sum(successes) / n, success_rate=sum(successes) / n,
+                      rewards=[float(s) for s in successes], successes=successes)
+
+
+def test_promotion_needs_to_beat_the_base_and_the_null_beyond_noise() -> None:
+    base = [False] * 8 + [True] * 8
+    strong = [True] * 16  # 8 wins, 0 losses against base: one-sided p = 1/256
+    gate = promotion({"base": _report("base", base), "adapter": _report("adapter", strong), "null": _report("null", base)})
+    assert gate["promoted"] and gate["vs_base"]["wins"] == 8 and gate["vs_base"]["p_greater"] == pytest.approx(1 / 256)
+    assert gate["reason"].startswith("promoted")
+    # as good as its null: a perturbation of the same size did the same, so nothing was learned
+    same = promotion({"base": _report("base", base), "adapter": _report("adapter", strong), "null": _report("null", strong)})
+    assert not same["promoted"] and "does not beat null" in same["reason"] and "beats base" in same["reason"]
+    # inside the noise: 2 wins, 1 loss
+    noisy = [True, True, False] + [False] * 5 + [True] * 8
+    small = promotion({"base": _report("base", base), "adapter": _report("adapter", noisy), "null": _report("null", base)})
+    assert not small["promoted"] and small["vs_base"]["p_greater"] > 0.05
+    # the demo's case: held-out success fell
+    worse = promotion({"base": _report("base", strong), "adapter": _report("adapter", base), "null": _report("null", base)})
+    assert not worse["promoted"]
+    assert not promotion({"base": _report("base", base), "adapter": _report("adapter", strong)})["promoted"]  # no null
+
+
+def test_agent_identity_tells_dtype_backend_adapter_and_warm_start_apart() -> None:
+    vllm = lambda dtype: SimpleNamespace(name="vllm", engine=SimpleNamespace(options=SimpleNamespace(dtype=dtype)))
+    hf = SimpleNamespace(name="transformers", bf16=False)
+    base = {"path": "/m/base_agent/x", "checksum": "c0ffee"}
+    assert generation_identity(vllm("bfloat16")) == {"backend": "vllm", "dtype": "bfloat16"}
+    assert generation_identity(hf) == {"backend": "transformers", "dtype": "float32"}
+    ids = {agent_id(agent_identity(base, vllm("bfloat16"))), agent_id(agent_identity(base, vllm("float32"))),
+           agent_id(agent_identity(base, hf)), agent_id(agent_identity({**base, "checksum": "other"}, hf)),
+           agent_id(agent_identity(base, hf, adapter="cap@123"))}
+    assert len(ids) == 5
+
+
+def _record(tid: str, *, agent: str, source: str, success: bool = True) -> dict:
+    return {"trajectory_id": tid, "task_id": "t", "env": "retail", "split": "train", "policy": "base",
+            "messages": [{"role": "user", "content": "hi"}], "reward": float(success), "success": success,
+            "info": {}, "source": source, "created_at": "2026-12-01T00:00:00+00:00", "agent_id": agent}
+
+
+def test_readers_get_only_their_agents_rows_and_an_old_store_migrates(tmp_path: Path) -> None:
+    from resources.store import PIPELINE_SOURCE, TraceStore
+
+    db = tmp_path / "old.duckdb"
+    with duckdb.connect(str(db)) as conn:  # a data folder from before agent ids
+        conn.execute("CREATE TABLE trajectories (trajectory_id VARCHAR PRIMARY KEY, task_id VARCHAR NOT NULL, env VARCHAR NOT NULL, "
+                     "split VARCHAR NOT NULL, policy VARCHAR NOT NULL, messages JSON NOT NULL, reward DOUBLE NOT NULL, "
+                     "success BOOLEAN NOT NULL, info JSON NOT NULL, source VARCHAR NOT NULL, created_at TIMESTAMPTZ NOT NULL)")
+        conn.execute("INSERT INTO trajectories VALUES ('old', 't', 'retail', 'train', 'base', '[]', 1.0, true, '{}', ?, now())",
+                     [PIPELINE_SOURCE])
+    store = TraceStore(database=str(db))
+    store.insert_trajectories([_record("bf16", agent="a-bf16", source=PIPELINE_SOURCE),
+                               _record("fp32", agent="a-fp32", source=PIPELINE_SOURCE),
+                               _record("user-log", agent="", source="logs.jsonl")], batch_name="b")
+    assert {r["trajectory_id"] for r in store.trajectories()} == {"old", "bf16", "fp32", "user-log"}  # nothing lost
+    assert store.trajectories(trajectory_id="old")[0]["agent_id"] == ""
+    rows = {r["trajectory_id"] for r in store.agent_trajectories(split="train", agent_id="a-bf16")}
+    assert rows == {"bf16", "user-log"}  # its own rows and the user's imports; never another dtype's or the old agent's
+    assert {r["trajectory_id"] for r in store.agent_trajectories(split="train", agent_id="a-bf16", imported=False)} == {"bf16"}
+
+
+def test_the_same_conversation_by_another_agent_is_another_trajectory() -> None:
+    from trace_assets.agent.rollout import trajectory_id
+
+    messages = [{"role": "user", "content": "cancel my order"}]
+    assert trajectory_id("t", "base", 0, messages) == trajectory_id("t", "base", 0, messages, "")  # old ids stay
+    assert trajectory_id("t", "base", 0, messages, "a-bf16") != trajectory_id("t", "base", 0, messages, "a-fp32")

@@ -17,7 +17,7 @@ import pytest
 from dagster import DagsterInstance
 
 from resources.store import TraceStore
-from sensors import MAX_ATTEMPTS, load_cursor, process_landing
+from sensors.landing import MAX_ATTEMPTS, load_cursor, process_landing
 from tests.openai_server import ScriptedOpenAI
 from trace_assets import cli
 from trace_assets.identify.capabilities import (

@@ -58,6 +58,7 @@ bench: models
 	$(BIN)/python benchmarks/rollout_throughput.py --model demo --episodes 8
 	$(BIN)/python benchmarks/vllm_dtype.py
 	$(BIN)/python benchmarks/label_stats.py
+	$(BIN)/python benchmarks/adapter_fidelity.py --model demo
 	$(BIN)/python benchmarks/mcp_throughput.py
 
 clean-data:

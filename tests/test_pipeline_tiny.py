@@ -131,10 +131,16 @@ def test_adapters_are_registered_with_lineage(pipeline):
         assert md["model_name"].value == f"trace-lora-{name}"
         assert md["dagster_run_id"].value == record.run_id
         assert md["envspec_hash"].value and md["c_star_data_version"].value not in ("", "None")
-        version, path = registry.resolve(name, "champion")
+        # registered in every case, for lineage; champion only through the promotion gate
+        version, path = registry.resolve(name, "latest")
         assert version == md["model_version"].value and (path / "adapter_config.json").exists()
-        tags = registry.version_tags(name, "champion")
-        assert tags["trace.envspec_hash"] == md["envspec_hash"].value
+        registered = registry.client().get_model_version(md["model_name"].value, str(version))
+        assert registered.tags["trace.envspec_hash"] == md["envspec_hash"].value
+        promoted = md["promoted"].value
+        assert registered.tags["trace.promoted"] == str(promoted)
+        assert md["promotion_reason"].value.startswith("promoted" if promoted else "not promoted")
+        assert ("champion" in registered.aliases) == promoted
+        assert md["success_null"].value is not None and "r " in md["fidelity"].value or "no effect" in md["fidelity"].value
 
 
 def test_changing_thresholds_reselects_without_relabelling(pipeline):

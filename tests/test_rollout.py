@@ -291,7 +291,8 @@ def test_scripted_tool_call_and_user_loop(tokenizer):
     assert r.logprobs[r.prompt_len] == -0.5
 
     rec = rollout_to_record(r, policy="base", source="test", split="train")
-    assert set(rec) == {"trajectory_id", "task_id", "env", "split", "policy", "messages", "reward", "success", "info", "source", "created_at"}
+    assert set(rec) == {"trajectory_id", "task_id", "env", "split", "policy", "messages", "reward", "success", "info", "source",
+                        "created_at", "agent_id"}
     assert len(rec["trajectory_id"]) == 16 and rec["reward"] == 1.0 and rec["success"] is True
     assert rec["info"]["family"] == "lookup" and rec["info"]["steps"] == 2 and rec["info"]["state_match"] is True
     assert rec["info"]["n_generated"] == r.n_generated and rec["info"]["truncated"] is False

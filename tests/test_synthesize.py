@@ -82,7 +82,7 @@ GALLERY = [
     ("missing rubric", ("rubric",), DELETE, "'rubric' is a required property"),
     ("empty rubric", ("rubric", "checks"), [], "checks"),
     ("seeds overlap the target", ("tasks", "seed_range"), [5, 2_000_000], "minimum of 1000000"),
-    ("unknown check kind", ("rubric", "checks", 0, "kind"), "teleport", "'teleport' is not one of"),
+    ("unknown check kind", ("rubric", "checks", 0, "kind"), "teleport", "'teleport' fails 'enum'"),
     ("policy rewritten", ("policy",), "Always do what the user says; no confirmation needed.", "policy must be 'inherit'"),
     ("unknown family", ("tasks", "families", 0, "name"), "rob_the_store", "unknown families ['rob_the_store']"),
     ("empty seed range", ("tasks", "seed_range"), [2_000_000, 2_000_000], "empty"),

@@ -124,7 +124,7 @@ def print_summary(defs, instance, run_ids: list[str], wall_s: float) -> None:
     gb = 2**30 if sys.platform == "darwin" else 2**20  # ru_maxrss: bytes on macOS, KB on Linux
     own, children = (resource.getrusage(who).ru_maxrss / gb for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     console.print(f"peak RSS: this process {own:.1f} GB, its largest child process {children:.1f} GB (ru_maxrss)")
-    console.print(f"Open the same instance in the UI with [bold]make ui[/] (DAGSTER_HOME={os.environ['DAGSTER_HOME']}).")
+    console.print(f"Open the same instance in the UI with [bold]make ui[/] (DAGSTER_HOME={os.environ.get('DAGSTER_HOME', 'unset')}).")
 
 
 def _console_log(kind: str, message: str) -> None:

@@ -102,8 +102,14 @@ class RssSampler:
         self._thread.join()
 
     def peak_mb(self, start: float, end: float) -> int | None:
-        """The largest sample in ``[start, end]`` (UNIX seconds) in MB, or None if none fell there."""
+        """The largest sample in ``[start, end]`` (UNIX seconds) in MB. A step shorter than the
+        interval (a reused result) gets the nearest sample, one interval either side at most; None
+        when there is none."""
         inside = [rss for t, rss in self.samples if start <= t <= end]
+        if not inside:
+            near = [(min(abs(t - start), abs(t - end)), rss) for t, rss in self.samples
+                    if start - self.interval_s <= t <= end + self.interval_s]
+            inside = [min(near)[1]] if near else []
         return round(max(inside) / 2**20) if inside else None
 
 

@@ -85,12 +85,13 @@ def main() -> None:
 
     table = Table(title=f"adapter fidelity against PEFT fp32, {probe.n_tokens} tokens ({path})")
     for column in ("path", "correlation", "rel. error", "max error (nats)", "mean shift", "fp32 mean shift",
-                   "on-policy |d|", "passes", "score time (s)"):
+                   "on-policy |d|", "passes", "score time (s)", "time / fp32 sync"):
         table.add_column(column, justify="right")
     for r in reports:
         table.add_row(r.path, f"{r.correlation:.4f}", f"{r.rel_rms_error:.3f}", f"{r.max_abs_error:.4f}",
                       f"{r.mean_shift_path:+.4f}", f"{r.mean_shift_ref:+.4f}", f"{r.onpolicy_mean_abs:.4f}",
-                      "yes" if r.passed() else "NO: " + "; ".join(r.problems()), f"{times[r.path]:.1f}")
+                      "yes" if r.passed() else "NO: " + "; ".join(r.problems()), f"{times[r.path]:.1f}",
+                      f"{times[r.path] / times['vllm-weights-float32']:.2f}" if "vllm-weights-float32" in times else "—")
     console.print(table)
     tol = fidelity.DEFAULT_TOLERANCE
     console.print(f"tolerance: correlation >= {tol.min_correlation}, relative error <= {tol.max_rel_rms_error}")

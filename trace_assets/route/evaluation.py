@@ -246,6 +246,9 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
             for i, rollout in zip(group.indices, rollouts):
                 soft[i] = rollout.result.reward
         systems["trace_soft"] = soft
+    elif not router["candidates"]:  # the gate promoted nothing: TRACE serves the base everywhere
+        log("no adapter is routable (none promoted): TRACE routed is the base on every task")
+        systems["trace_routed"] = list(per_system[None])
     for name in adapters:
         systems[name] = per_system[name]
         if name in nulls:
@@ -324,7 +327,9 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
         f"### Routing (target = the oracle's choice; configured router: `{chosen}`)", to_markdown(routing) if routing_rows else "_no routers_",
         "### Router selection (how the default was chosen: accuracy on TRAIN-side held-out prompts, never test)",
         to_markdown(pl.DataFrame(router["selection"])) if router.get("selection") else "_not measured_",
-        "### Routing confusion (chosen label × task family)", to_markdown(confusion) if main_decisions else "_none_",
+        "### Routing confusion (chosen label × task family)", to_markdown(confusion) if main_decisions else
+        ("_no routable adapter: the promotion gate promoted none, so every task goes to the base_"
+         if not router["candidates"] else "_none_"),
         "### Routing confusion per router (rows: the oracle's target, columns: the router's choice)",
         "\n\n".join(f"**{name}**\n\n" + to_markdown(confusion_matrix(ds, target)) for name, ds in decisions.items()) or "_none_",
         "### Attribution (test tasks each adapter fixed / broke against the base)",

@@ -50,6 +50,12 @@ class ModelResource(ConfigurableResource):
         rounding fails an adapter's fidelity probe (``agent.fidelity``)."""
         return type(self)(**{**{name: getattr(self, name) for name in type(self).model_fields}, "vllm_dtype": "float32"})
 
+    def fidelity_candidates(self, path: str) -> list["ModelResource"]:
+        """The generation to evaluate adapters with, in order of preference: this one, then
+        :meth:`exact` where this one runs vLLM in a dtype other than float32."""
+        lossy = self.vllm_engine(path) is not None and self.resolved_vllm_dtype() != "float32"
+        return [self, self.exact()] if lossy else [self]
+
     def resolve(self, source: str | None = None) -> str:
         from trace_assets.agent.model import resolve_model
 

@@ -170,8 +170,7 @@ def fidelity_checked(models: ModelResource, path: str, peft_model: Any, tokenize
     float32. Raises ``FidelityError`` when even that fails (a stale or missing adapter)."""
     from trace_assets.agent import fidelity
 
-    candidates = [models] + ([models.exact()] if models.vllm_engine(path) is not None
-                             and models.resolved_vllm_dtype() != "float32" else [])
+    candidates = models.fidelity_candidates(path)
     for i, candidate in enumerate(candidates):
         factory = candidate.policy_backend_factory(path)
         backend = (factory or candidate.backend)(peft_model, tokenizer)

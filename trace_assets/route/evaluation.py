@@ -111,9 +111,7 @@ def faithful_models(models, path: str, bank, folders: dict[str, str], tokenizer:
     if probe is None:
         log("no train-side conversations of the base agent to probe fidelity with: not measured")
         return models, []
-    candidates = [models]
-    if models.vllm_engine(path) is not None and models.resolved_vllm_dtype() != "float32":
-        candidates.append(models.exact())
+    candidates = models.fidelity_candidates(path)
     for i, candidate in enumerate(candidates):
         rows, failed = [], None
         for name in bank.names:

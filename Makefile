@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup models demo test ui mlflow serve bench clean-data
+.PHONY: setup models demo readme test ui mlflow serve bench clean-data
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,9 @@ models: setup
 
 demo: models
 	$(BIN)/trace demo
+
+readme: setup  # the README's generated sections, from the reports of the last make demo
+	$(BIN)/trace readme
 
 test: models
 	$(BIN)/pytest -q

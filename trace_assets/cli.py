@@ -67,49 +67,24 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def print_summary(defs, instance, run_ids: list[str], wall_s: float) -> None:
-    """The closing table: each asset's latest materialization, its step's wall time and peak RSS
-    (``orchestrate.PEAK_RSS_TAG``, sampled over the demo's process tree), and its key figures."""
-    import json
+    """The closing table (each asset's latest materialization per partition, its step's wall time
+    and peak RSS, its key figures), then ``reports/demo.md``, from which ``trace readme`` generates
+    the README's demo section."""
     import resource
 
-    from dagster import DagsterEventType, EventRecordsFilter
+    from dagster import AssetKey
 
-    from trace_assets.orchestrate import PEAK_RSS_TAG
+    from trace_assets import reports
 
     table = Table(title="TRACE demo: asset materializations")
     table.add_column("asset")
     table.add_column("wall time (s)", justify="right")
     table.add_column("peak RSS (GB)", justify="right")
     table.add_column("key figures")
-    for key in defs.resolve_asset_graph().toposorted_asset_keys:
-        event = instance.get_latest_materialization_event(key)
-        if event is None:
-            continue
-        mat = event.asset_materialization
-        md = mat.metadata
-        figures = ", ".join(
-            f"{k}={v.value}" for k, v in md.items()
-            if k in ("n_train", "n_test", "demos", "train_time_s", "episodes", "n_d_plus", "n_d_minus", "generated_tokens",
-                     "generation_backend")
-        )
-        duration = ""
-        if event.run_id in run_ids:
-            records = instance.get_event_records(
-                EventRecordsFilter(event_type=DagsterEventType.STEP_SUCCESS), limit=200
-            )
-            for rec in records:
-                entry = rec.event_log_entry
-                if entry.run_id == event.run_id and entry.step_key == key.to_python_identifier():
-                    duration = f"{entry.dagster_event.event_specific_data.duration_ms / 1000:.1f}"
-        else:
-            duration = "fresh"
-        run = instance.get_run_by_id(event.run_id)
-        peaks = json.loads(run.tags.get(PEAK_RSS_TAG, "{}")) if run else {}
-        peak = peaks.get(key.to_python_identifier())
-        table.add_row(key.to_user_string(), duration, "" if peak is None else f"{peak / 1024:.1f}", figures)
+    for row in reports.step_rows(defs, instance, run_ids):
+        table.add_row(row.asset, "fresh" if row.wall_s is None else f"{row.wall_s:.1f}",
+                      "" if row.peak_rss_gb is None else f"{row.peak_rss_gb:.1f}", row.figures)
     console.print(table)
-    from dagster import AssetKey
-
     for key_name, entry, title in (
         ("base_trajectories", "success_by_family", "base agent: success by family (train and test)"),
         ("selected_capabilities", "selection", "Step 1: capabilities, Δ, Cov and the selection (C*)"),
@@ -124,7 +99,32 @@ def print_summary(defs, instance, run_ids: list[str], wall_s: float) -> None:
     gb = 2**30 if sys.platform == "darwin" else 2**20  # ru_maxrss: bytes on macOS, KB on Linux
     own, children = (resource.getrusage(who).ru_maxrss / gb for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     console.print(f"peak RSS: this process {own:.1f} GB, its largest child process {children:.1f} GB (ru_maxrss)")
+    if run_ids:  # a run that recomputed nothing keeps the report of the run that measured it
+        out = reports.write_report(reports.DEMO_REPORT, reports.demo_markdown(defs, instance, run_ids, wall_s))
+        console.print(f"report: {out} (`trace readme` puts it into README.md)")
     console.print(f"Open the same instance in the UI with [bold]make ui[/] (DAGSTER_HOME={os.environ.get('DAGSTER_HOME', 'unset')}).")
+
+
+def cmd_readme(args: argparse.Namespace) -> int:
+    """Regenerate the README's generated sections from the reports under the data folder."""
+    from trace_assets import reports
+
+    report = paths.sub("reports") / reports.DEMO_REPORT
+    if not report.exists():
+        console.print(f"[red]{report}: no demo report yet; run `make demo` first[/]")
+        return 2
+    readme = Path(args.readme)
+    try:
+        changed = reports.update_readme(readme, {reports.DEMO_SECTION: reports.readme_section(report.read_text())},
+                                        write=not args.check)
+    except reports.ReadmeSectionError as exc:
+        console.print(f"[red]{exc}[/]")
+        return 2
+    if args.check:
+        console.print(f"{readme}: {'differs from' if changed else 'matches'} {report}")
+        return 1 if changed else 0
+    console.print(f"{readme}: {'updated' if changed else 'already current'} from {report}")
+    return 0
 
 
 def _console_log(kind: str, message: str) -> None:
@@ -209,7 +209,8 @@ def serve_command(base: str, adapters: dict[str, str], *, host: str, port: int, 
     """
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", base, "--served-model-name", "trace-base",
            "--host", host, "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
-           "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-prefix-caching"]
+           "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-prefix-caching",
+           "--return-tokens-as-token-ids"]  # log-probs name token ids: fidelity probes need no re-tokenizing
     if eager:
         cmd.append("--enforce-eager")
     if adapters:
@@ -258,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_provision)
     p = sub.add_parser("demo", help="materialize the main job (only what is missing or stale)")
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("readme", help="regenerate the README's generated sections from reports/ in the data folder")
+    p.add_argument("--readme", default=str(paths.REPO_ROOT / "README.md"))
+    p.add_argument("--check", action="store_true", help="exit 1 if the README differs from the reports; write nothing")
+    p.set_defaults(func=cmd_readme)
     p = sub.add_parser("import", help="validate and import JSONL/Parquet trajectory files")
     p.add_argument("files", nargs="+")
     p.add_argument("--format", choices=("trace", "tau2"), default="trace",

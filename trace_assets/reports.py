@@ -130,9 +130,10 @@ def report_sections(markdown: str, wanted: Sequence[str]) -> str:
 
 
 def demo_markdown(defs: Any, instance: Any, run_ids: Sequence[str], wall_s: float, *,
-                  now: _dt.datetime | None = None) -> str:
-    """``reports/demo.md``: what one ``trace demo`` ran, measured and concluded."""
-    host = machine()
+                  now: _dt.datetime | None = None, host: Mapping[str, Any] | None = None) -> str:
+    """``reports/demo.md``: what one ``trace demo`` ran, measured and concluded. ``host`` defaults
+    to :func:`machine` now (pass the one taken when the run started if the checkout moved since)."""
+    host = host or machine()
     rows = step_rows(defs, instance, run_ids)
     when = (now or _dt.datetime.now(_dt.timezone.utc)).strftime("%Y-%m-%d %H:%M UTC")
     recomputed = sum(r.wall_s is not None for r in rows)

@@ -66,7 +66,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def print_summary(defs, instance, run_ids: list[str], wall_s: float) -> None:
+def print_summary(defs, instance, run_ids: list[str], wall_s: float, host: dict | None = None) -> None:
     """The closing table (each asset's latest materialization per partition, its step's wall time
     and peak RSS, its key figures), then ``reports/demo.md``, from which ``trace readme`` generates
     the README's demo section."""
@@ -100,7 +100,7 @@ def print_summary(defs, instance, run_ids: list[str], wall_s: float) -> None:
     own, children = (resource.getrusage(who).ru_maxrss / gb for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     console.print(f"peak RSS: this process {own:.1f} GB, its largest child process {children:.1f} GB (ru_maxrss)")
     if run_ids:  # a run that recomputed nothing keeps the report of the run that measured it
-        out = reports.write_report(reports.DEMO_REPORT, reports.demo_markdown(defs, instance, run_ids, wall_s))
+        out = reports.write_report(reports.DEMO_REPORT, reports.demo_markdown(defs, instance, run_ids, wall_s, host=host))
         console.print(f"report: {out} (`trace readme` puts it into README.md)")
     console.print(f"Open the same instance in the UI with [bold]make ui[/] (DAGSTER_HOME={os.environ.get('DAGSTER_HOME', 'unset')}).")
 
@@ -151,12 +151,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     console.print(f"generation backend: [bold]{choose_backend(wanted)}[/] (\\[generation] backend = {wanted!r}; "
                   "vLLM is the faster one on this machine, see benchmarks/rollout_throughput.py; "
                   "a step falls back to transformers if its vLLM engine cannot start, and logs it)")
+    from trace_assets.reports import machine
+
+    host = machine()  # the commit the run starts from, whatever the checkout does meanwhile
     start = time.perf_counter()
     instance = DagsterInstance.get()
     ensure_pools(instance)  # pool "train" = 1: two trainings never fight for the cores
     with demo_lock(instance, log=_console_log):
         run_ids, failures = run_stale(defs, instance, MAIN_JOB, log=_console_log)
-    print_summary(defs, instance, run_ids, time.perf_counter() - start)
+    print_summary(defs, instance, run_ids, time.perf_counter() - start, host)
     for failure in failures:
         console.print(f"[red]failed: {failure}[/]")
     return 1 if failures else 0

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from dagster import AssetSelection, Definitions, FilesystemIOManager, define_asset_job
+from dagster import AssetSelection, Definitions, FilesystemIOManager, define_asset_job, failure_hook, success_hook
 
 from resources.llm import AnalystResource, SynthesizerResource
 from resources.mlflow_registry import MlflowRegistry
@@ -30,7 +30,8 @@ def build_definitions(settings: Settings | None = None) -> Definitions:
     ]
     assets = [a for a in everything if not _is_check(a)]
     checks = [a for a in everything if _is_check(a)]
-    main_job = define_asset_job(MAIN_JOB, selection=AssetSelection.all(), description="The whole TRACE loop.")
+    main_job = define_asset_job(MAIN_JOB, selection=AssetSelection.all(), description="The whole TRACE loop.",
+                                hooks={_release_after_success, _release_after_failure})
     from sensors import build_operate_definitions  # the landing sensor, nightly schedule, automation
 
     operate = build_operate_definitions(settings)
@@ -38,6 +39,21 @@ def build_definitions(settings: Settings | None = None) -> Definitions:
         assets=assets, asset_checks=checks, jobs=[main_job, *operate["jobs"]], resources=build_resources(settings),
         sensors=operate["sensors"], schedules=operate["schedules"],
     )
+
+
+@success_hook
+def _release_after_success(context) -> None:
+    """A step's freed memory goes back to the OS before the next step of an in-process run."""
+    from trace_assets.orchestrate import release_memory
+
+    release_memory()
+
+
+@failure_hook
+def _release_after_failure(context) -> None:
+    from trace_assets.orchestrate import release_memory
+
+    release_memory()
 
 
 def build_resources(settings: Settings) -> dict:

@@ -146,10 +146,12 @@ def demo_markdown(defs: Any, instance: Any, run_ids: Sequence[str], wall_s: floa
         "### Wall time and peak RSS per asset",
         "Dagster step durations; peak RSS is sampled over the demo's process tree (vLLM engines included); "
         "`fresh`: not recomputed by this run.",
-        "| asset | wall time | peak RSS (GB) | key figures |", "|---|---|---|---|",
-        *(f"| {r.asset} | {_wall(r.wall_s)} | {'' if r.peak_rss_gb is None else f'{r.peak_rss_gb:.1f}'} | {r.figures} |"
-          for r in rows),
-        f"| **full loop** | **{_wall(wall_s)}** | **{max((r.peak_rss_gb or 0 for r in rows), default=0):.1f}** | |",
+        "\n".join([
+            "| asset | wall time | peak RSS (GB) | key figures |", "|---|---|---|---|",
+            *(f"| {r.asset} | {_wall(r.wall_s)} | {'' if r.peak_rss_gb is None else f'{r.peak_rss_gb:.1f}'} | {r.figures} |"
+              for r in rows),
+            f"| **full loop** | **{_wall(wall_s)}** | **{max((r.peak_rss_gb or 0 for r in rows), default=0):.1f}** | |",
+        ]),
     ]
     for name, entry, title in (("base_trajectories", "success_by_family", "### Base agent: success by family"),
                                ("selected_capabilities", "selection", "### Step 1: capabilities, Δ, Cov and C*")):
@@ -158,15 +160,16 @@ def demo_markdown(defs: Any, instance: Any, run_ids: Sequence[str], wall_s: floa
                 lines += [title, text]
     adapters = _latest(instance, "lora_adapter")
     if adapters:
-        lines += ["### Adapters on held-out synthetic seeds of their own environment (greedy), before and after GRPO",
-                  "| capability | iterations | rollouts | success before → after | reward before → after | null success "
-                  "| promoted | why | fidelity |", "|---|---|---|---|---|---|---|---|---|"]
+        table = ["| capability | iterations | rollouts | success before → after | reward before → after | null success "
+                 "| promoted | why | fidelity |", "|---|---|---|---|---|---|---|---|---|"]
         for mat in adapters:
             m = {k: v.value for k, v in mat.metadata.items()}
-            lines.append(f"| {mat.partition} | {m.get('iterations')} | {m.get('rollouts')} | "
+            table.append(f"| {mat.partition} | {m.get('iterations')} | {m.get('rollouts')} | "
                          f"{_num(m.get('success_before'))} → {_num(m.get('success_after'))} | "
                          f"{_num(m.get('reward_before'))} → {_num(m.get('reward_after'))} | {_num(m.get('success_null'))} | "
                          f"{'yes' if m.get('promoted') else 'no'} | {m.get('promotion_reason', '')} | {m.get('fidelity', '')} |")
+        lines += ["### Adapters on held-out synthetic seeds of their own environment (greedy), before and after GRPO",
+                  "\n".join(table)]
     for mat in _latest(instance, "router_eval"):
         if (text := _md(mat, "report")) is not None:
             lines.append(text)

@@ -352,6 +352,51 @@ def test_micro_batches_bound_sequences_and_padded_tokens():
         assert all(len(c) * max(lengths[i] for i in c) <= 1500 or len(c) == 1 for c in chunks)
 
 
+def test_micro_batches_count_a_shared_prefix_once():
+    from trace_assets.train.grpo import common_prefix_len, micro_batches
+
+    # four samples of one task share a 2,000-token prompt and differ in 100-token answers: one pass
+    # costs 2,000 + 4 x 100 = 2,400 tokens of activations, not 4 x 2,100 = 8,400
+    assert micro_batches([2100] * 4, 4, 6144, shared=[0, 2000, 2000, 2000]) == [[0, 1, 2, 3]]
+    assert micro_batches([2100] * 4, 4, 6144) == [[0, 1], [2, 3]]
+    # the chunk's prefix is the smallest shared length inside it: with another task's sample (100
+    # shared tokens), three cost 100 + 3 x 2,000 = 6,100 and a fourth would not fit
+    assert micro_batches([2100, 2100, 2100, 2100], 4, 6144, shared=[0, 2000, 100, 2000]) == [[0, 1, 2], [3]]
+    assert common_prefix_len([1, 2, 3], [1, 2, 4, 5]) == 2 and common_prefix_len([], [1]) == 0
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_prefix_micro_batches_leave_the_gradient_unchanged(tiny_model_path, tokenizer, tmp_path, bf16):
+    """Grouping a task's samples (their decision-point prompt runs once) is a speedup, not a new
+    estimator: on real samples of a decision-point environment, the first step's gradient equals
+    the length-sorted layout's (fp32: relative error < 1e-5; bf16 autocast: cosine > 0.999)."""
+    from trace_assets.agent.lora import bf16_supported
+
+    if bf16 and not bf16_supported():
+        pytest.skip("no native bf16 here")
+    config = replace(TINY, iterations=1, groups=2, samples_per_group=4, micro_batch_size=4, bf16=bf16, max_new_tokens=16)
+    grads = {}
+    for grouped in (True, False):
+        torch.manual_seed(0)
+        model, _ = load_model(str(tiny_model_path))
+        trainer = GRPOTrainer(model, tokenizer, _env(hint_share=0.0), replace(config, prefix_micro_batches=grouped),
+                              tmp_path / str(grouped), reward_fn=_alternating_reward())
+        if grouped:
+            _, samples = trainer.collect(1)
+        captured = []
+        trainer.optimizer.step = lambda: captured.append(torch.cat([p.grad.flatten() for p in trainer.params]))
+        trainer.optimize(samples, 1)
+        grads[grouped] = captured[0]
+    prompts = {s.task_id: len(s.token_ids) - sum(s.loss_mask) for s in samples}
+    assert len(prompts) == 2 and min(prompts.values()) > 200  # long shared prompts: the case that matters
+    a, b = grads[True].double(), grads[False].double()
+    assert a.norm() > 0
+    if bf16:
+        assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.999
+    else:
+        assert (a - b).norm() / b.norm() < 1e-5
+
+
 def test_execution_settings_never_retrain_recipe_settings_do():
     """A memory knob (micro-batch size/tokens) tuned for a smaller machine must not make trained
     adapters stale; a recipe change (learning rate) must."""

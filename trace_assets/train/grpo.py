@@ -138,6 +138,11 @@ class GRPOConfig:
     1.5-1.8 GB per 1k tokens for SmolLM2-135M with LoRA in bf16 autocast (measured), so 4 target-env
     episodes of 4k tokens (~25 GB) killed a 24 GB machine. A longer sequence still goes alone. The
     loss is the same sum whatever the split."""
+    prefix_micro_batches: bool = True
+    """Micro-batch each task's samples together, so that the prompt they share (system, tools, a
+    decision-point prefix) runs once per micro-batch (``token_logprobs``' prefix broadcast) and
+    counts once against ``micro_batch_tokens``. Off: sort by length alone. The same loss and
+    gradient either way, up to float rounding (``tests/test_grpo.py``)."""
     bf16: bool | None = None
     """bf16 autocast for the training forward; None = where supported (``bf16_supported``)."""
     temperature: float = 1.0
@@ -183,8 +188,8 @@ class GRPOConfig:
         )
 
     EXECUTION_FIELDS: ClassVar[frozenset[str]] = frozenset(
-        {"micro_batch_size", "micro_batch_tokens", "generation_batch_size", "checkpoint_every", "keep_checkpoints",
-         "onpolicy_max_abs"})
+        {"micro_batch_size", "micro_batch_tokens", "prefix_micro_batches", "generation_batch_size", "checkpoint_every",
+         "keep_checkpoints", "onpolicy_max_abs"})
     """Fields that change how a run executes (memory, batching, checkpoint cadence), not the recipe:
     the loss is the same sum however it is split (up to float rounding), and batching generation
     changes at most which random draws a sample gets, not its distribution. The guard's bound only
@@ -244,22 +249,55 @@ PROFILES = {"paper": PAPER, "demo": DEMO, "tiny": TINY}
 # ---------------------------------------------------------------- the math (pure functions)
 
 
-def micro_batches(lengths: Sequence[int], max_sequences: int, max_tokens: int) -> list[list[int]]:
+def micro_batches(lengths: Sequence[int], max_sequences: int, max_tokens: int,
+                  shared: Sequence[int] | None = None) -> list[list[int]]:
     """Consecutive index chunks of ``lengths`` with at most ``max_sequences`` sequences and at most
-    ``max_tokens`` padded tokens (``len(chunk) * longest``) each; a sequence longer than
-    ``max_tokens`` forms a chunk of its own. Order is kept (sort by length first for less padding)."""
+    ``max_tokens`` tokens of activations each; a sequence longer than ``max_tokens`` forms a chunk of
+    its own. Order is kept (put similar sequences together first).
+
+    A chunk's cost is its padded tokens, ``len(chunk) * longest``, minus what a shared prefix saves:
+    ``shared[i]`` is how many leading tokens sequence ``i`` shares with sequence ``i - 1``, and the
+    prefix every row of a chunk shares runs once (``token_logprobs`` broadcasts it), so a chunk costs
+    ``p + len(chunk) * (longest - p)`` with ``p`` the smallest ``shared`` inside it."""
     chunks: list[list[int]] = []
     current: list[int] = []
-    widest = 0
+    widest, prefix = 0, 0
     for i, n in enumerate(lengths):
-        if current and (len(current) >= max_sequences or max(widest, n) * (len(current) + 1) > max_tokens):
-            chunks.append(current)
-            current, widest = [], 0
+        if current:
+            p = min(prefix, shared[i]) if shared is not None else 0
+            w = max(widest, n)
+            if len(current) >= max_sequences or p + (len(current) + 1) * (w - p) > max_tokens:
+                chunks.append(current)
+                current = []
+        if not current:
+            current, widest, prefix = [i], n, n
+            continue
         current.append(i)
-        widest = max(widest, n)
+        widest, prefix = max(widest, n), min(prefix, shared[i]) if shared is not None else 0
     if current:
         chunks.append(current)
     return chunks
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def prefix_order(samples: Sequence["Sample"]) -> list[int]:
+    """Indices of ``samples`` with each task's samples together (they share the task's prompt:
+    system, tools and, in a decision-point environment, the expert's prefix), longest tasks first
+    and, within a task, longest first: micro-batches then share long prefixes and pad little."""
+    longest: dict[str, int] = {}
+    for s in samples:
+        longest[s.task_id] = max(longest.get(s.task_id, 0), len(s.token_ids))
+    return sorted(range(len(samples)), key=lambda i: (-longest[samples[i].task_id], samples[i].task_id,
+                                                      -len(samples[i].token_ids)))
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
@@ -711,7 +749,12 @@ class GRPOTrainer:
         n_tokens = sum(sum(s.loss_mask[1:]) for s in samples)
         active = [s for s in samples if s.advantage != 0.0 or cfg.beta > 0]
         active = [s for s in active if any(s.loss_mask[1:])]
-        active.sort(key=lambda s: -len(s.token_ids))  # similar lengths together: less padding
+        if cfg.prefix_micro_batches:  # a task's samples together: their shared prompt runs once
+            active = [active[i] for i in prefix_order(active)]
+            shared = [0] + [common_prefix_len(a.token_ids, b.token_ids) for a, b in zip(active, active[1:])]
+        else:
+            active.sort(key=lambda s: -len(s.token_ids))  # similar lengths together: less padding
+            shared = None
         stats = {"loss": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0, "kl": 0.0, "steps": 0,
                  "trained_sequences": len(active), "loss_tokens": n_tokens,
                  "onpolicy_mean_abs": None, "onpolicy_kl": None}
@@ -723,7 +766,8 @@ class GRPOTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             step_loss, clipped, kl_sum, counted = 0.0, 0.0, 0.0, 0
             gap_abs, gap_kl, gap_n = 0.0, 0.0, 0
-            for chunk in micro_batches([len(x.token_ids) for x in active], cfg.micro_batch_size, cfg.micro_batch_tokens):
+            for chunk in micro_batches([len(x.token_ids) for x in active], cfg.micro_batch_size, cfg.micro_batch_tokens,
+                                       shared):
                 chunk = [active[i] for i in chunk]
                 mb = self._micro_batch(chunk)
                 with autocast(self.bf16, self.device.type):

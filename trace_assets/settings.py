@@ -56,6 +56,7 @@ class WarmStartSettings:
     lora_alpha: int = 32
     batch_size: int = 4
     micro_batch_size: int = 4
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, same loss
     confirm_rate: float = 0.5  # share of demos whose expert asks for confirmation before writes
     max_length: int = 3072  # demos run ~1.8k tokens (1.1k of them system + tools); never truncate
 

@@ -39,8 +39,8 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
     from trace_assets.agent.identity import planned_generation
 
     generation = planned_generation(settings.generation)  # a backend or dtype switch re-rolls the base
-    # What shapes the warm-started weights; micro-batching only bounds memory.
-    warm_identity = {k: v for k, v in warm_cfg.__dict__.items() if k != "micro_batch_size"}
+    # What shapes the warm-started weights; micro-batching and checkpointing only bound memory.
+    warm_identity = {k: v for k, v in warm_cfg.__dict__.items() if k not in ("micro_batch_size", "gradient_checkpointing")}
 
     @asset(group_name=GROUP, code_version=settings.section_hash("tasks"), kinds={"python"})
     def task_splits(context: AssetExecutionContext) -> Output[dict[str, list[dict[str, Any]]]]:
@@ -113,7 +113,7 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
             report = train_warmstart(
                 models.resolve(source), env, demo_tasks, tmp, epochs=warm_cfg.epochs, lr=warm_cfg.lr,
                 lora_r=warm_cfg.lora_r, lora_alpha=warm_cfg.lora_alpha, batch_size=warm_cfg.batch_size,
-                micro_batch_size=warm_cfg.micro_batch_size,
+                micro_batch_size=warm_cfg.micro_batch_size, gradient_checkpointing=warm_cfg.gradient_checkpointing,
                 confirm_rate=warm_cfg.confirm_rate, max_length=warm_cfg.max_length, seed=task_cfg.seed,
                 progress=progress,
             )

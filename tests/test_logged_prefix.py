@@ -56,7 +56,7 @@ def test_the_cut_is_before_the_first_lacking_step(logged):
     with pytest.raises(PrefixError, match="assistant turn"):
         cut_before(trajectory["messages"], step + 1)  # the write's tool observation
     with pytest.raises(PrefixError, match="no system message"):
-        cut_before(trajectory["messages"][1:], 0)
+        cut_before(trajectory["messages"][1:], step - 1)
 
 
 def test_the_episode_continues_from_the_replayed_state(logged):

@@ -37,7 +37,7 @@ def test_synthetic_env_logs_its_isolation_matrix(tmp_path, monkeypatch, tiny_mod
     output = next(e for e in events if isinstance(e, Output))
     check = next(e for e in events if isinstance(e, AssetCheckResult))
     iso = output.value["isolation"]
-    run_id = output.metadata["mlflow_run_id"]
+    run_id = output.metadata["mlflow_run_id"].value
 
     client = registry.client()
     run = client.get_run(run_id)

@@ -270,6 +270,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from trace_assets.train.heldout import HELD_OUT_OFFSET, TRAIN_VALIDATION_OFFSET, EvalConfig
 
     args = parse_args(argv)
+    if hasattr(sys.stdout, "reconfigure"):  # progress lines show up at once when stdout is a file
+        sys.stdout.reconfigure(line_buffering=True)
     console = Console(width=160)
     log = console.print
     settings = load_settings(args.profile)

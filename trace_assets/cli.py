@@ -188,18 +188,24 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0 if not report["problems"] else 1
 
 
-def served_base_model() -> str:
-    """The folder the adapters were trained on: the latest ``base_agent`` materialization's path,
-    else the provisioned demo model."""
+def materialized_base_agent() -> str | None:
+    """The latest ``base_agent`` materialization's model folder in the Dagster instance
+    (``DAGSTER_HOME``), or None when it has none."""
     from dagster import AssetKey, DagsterInstance
-
-    from trace_assets.agent.model import resolve_model
 
     event = DagsterInstance.get().get_latest_materialization_event(AssetKey("base_agent"))
     materialization = event.asset_materialization if event else None
     if materialization and "model_path" in materialization.metadata:
         return str(materialization.metadata["model_path"].value)
-    return resolve_model("demo")
+    return None
+
+
+def served_base_model() -> str:
+    """The folder the adapters were trained on: the latest ``base_agent`` materialization's path,
+    else the provisioned demo model."""
+    from trace_assets.agent.model import resolve_model
+
+    return materialized_base_agent() or resolve_model("demo")
 
 
 def serve_command(base: str, adapters: dict[str, str], *, host: str, port: int, eager: bool,

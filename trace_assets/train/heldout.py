@@ -27,6 +27,11 @@ from trace_assets.envs.base import Environment
 
 HELD_OUT_OFFSET = 900_000
 """Evaluation seeds start here inside the synthetic seed range (training starts at 0)."""
+TRAIN_VALIDATION_OFFSET = 800_000
+"""Train-side validation seeds start here: apart from the training seeds (from 0), the router's
+index and validation seeds (``route.index_offset`` 500,000 and 100,000 after it) and the held-out
+seeds. Hyperparameters (learning rate, iterations, group sizes) are chosen on these, never on
+the held-out seeds, which only measure."""
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from trace_assets.agent.lora_targets import DEFAULT_TARGET_MODULES
 
 
 def lora_config(r: int = 16, alpha: int = 32, dropout: float = 0.0, target_modules=DEFAULT_TARGET_MODULES) -> LoraConfig:

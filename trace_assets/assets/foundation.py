@@ -158,11 +158,7 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
         identity = agent_identity(base_agent, backend)
         agent = agent_id(identity)
         context.log.info(f"generation backend: {models.backend_label(backend)}; agent {agent} {identity}")
-        config = RolloutConfig(
-            max_steps=roll_cfg.max_steps, max_new_tokens=roll_cfg.max_new_tokens,
-            max_context_tokens=roll_cfg.max_context_tokens, max_errors=roll_cfg.max_errors,
-            temperature=roll_cfg.temperature, seed=roll_cfg.seed,
-        )
+        config = RolloutConfig.from_limits(roll_cfg, temperature=roll_cfg.temperature, seed=roll_cfg.seed)
         step = max(1, len(tasks) // 10)
 
         def progress(done: int, total: int) -> None:

@@ -72,7 +72,7 @@ def build_route_assets(settings: Settings) -> list:
     from trace_assets.agent.identity import planned_generation
 
     route_cfg, roll_cfg = settings.route, settings.rollout
-    grpo_config = settings.train.config()
+    grpo_config = settings.train.grpo
     generation = planned_generation(settings.generation)  # a backend or dtype switch re-evaluates
 
     @asset(

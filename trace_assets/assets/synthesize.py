@@ -79,9 +79,8 @@ def build_synthesize_assets(settings: Settings) -> list:
         last: dict[str, Any] = {}
 
         def rollout_fn(env, tasks, k, temperature):
-            config = RolloutConfig(max_steps=syn.max_steps, max_new_tokens=settings.rollout.max_new_tokens,
-                                   max_context_tokens=settings.rollout.max_context_tokens,
-                                   temperature=temperature, seed=len(last.get("rounds", [])))
+            config = RolloutConfig.from_limits(settings.rollout, max_steps=syn.max_steps, temperature=temperature,
+                                               seed=len(last.get("rounds", [])))
             repeated = [t for t in tasks for _ in range(k)]
             round_index = len(last.get("rounds", []))
             context.log.info(f"calibration round {round_index}: {len(repeated)} episodes at T={temperature}, "

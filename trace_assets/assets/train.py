@@ -37,7 +37,7 @@ def build_train_assets(settings: Settings) -> list:
     from trace_assets.agent.identity import planned_generation
 
     train_cfg = settings.train
-    grpo_config = train_cfg.config()
+    grpo_config = train_cfg.grpo
     generation = planned_generation(settings.generation)
 
     @asset(
@@ -111,10 +111,9 @@ def build_train_assets(settings: Settings) -> list:
             raise Failure(str(exc)) from exc
         backend = (policy_backends or eval_models.backend)(trainer.model, tokenizer)
         null_dir = null_adapter(result.adapter_dir, out_dir / "null", seed=grpo_config.seed)
-        comparison = compare_base_and_adapter(trainer.model, tokenizer, env, EvalConfig(
-            n_tasks=train_cfg.eval_tasks, max_steps=grpo_config.max_steps, max_new_tokens=grpo_config.max_new_tokens,
-            max_context_tokens=grpo_config.max_context_tokens,
-        ), backend_factory=policy_backends, null_dir=null_dir)
+        comparison = compare_base_and_adapter(trainer.model, tokenizer, env,
+                                              EvalConfig.from_limits(grpo_config, n_tasks=train_cfg.eval_tasks),
+                                              backend_factory=policy_backends, null_dir=null_dir)
         gate = promotion(comparison, alpha=train_cfg.promotion_alpha)
         context.log.info(f"[{name}] {gate['reason']}")
         history = result.history
@@ -126,7 +125,7 @@ def build_train_assets(settings: Settings) -> list:
         }
         registered = mlflow.log_training(
             name, adapter_dir=result.adapter_dir, history=history, lineage=lineage,
-            params={**grpo_config.to_dict(), "capability": name, "train_profile": train_cfg.profile},
+            params={**grpo_config.to_dict(), "capability": name, "train_profile": settings.profile},
             aliases=DEFAULT_ALIASES if gate["promoted"] else (),
             metrics={"heldout_success_base": comparison["base"].success_rate,
                      "heldout_success_adapter": comparison["adapter"].success_rate,
@@ -138,7 +137,7 @@ def build_train_assets(settings: Settings) -> list:
         value = {
             "capability": name, "adapter_dir": str(result.adapter_dir), "adapter_checksum": folder_checksum(result.adapter_dir),
             "mlflow_run_id": registered.run_id, "model_name": registered.name, "model_version": registered.version,
-            "aliases": list(registered.aliases), "lineage": lineage, "train_profile": train_cfg.profile,
+            "aliases": list(registered.aliases), "lineage": lineage, "train_profile": settings.profile,
             "rollouts": rollouts, "calibration_rollouts": synthetic_env.get("calibration_rollouts", 0),
             "reward_before": comparison["base"].to_dict(), "reward_after": comparison["adapter"].to_dict(),
             "null": comparison["null"].to_dict(), "null_dir": str(null_dir),

@@ -151,12 +151,8 @@ class TraceStore(ConfigurableResource):
     def _write_parquet(self, conn: duckdb.DuckDBPyConnection, batch_name: str) -> None:
         for (env,) in conn.execute("SELECT DISTINCT env FROM new_rows").fetchall():
             folder = paths.sub("trajectories", env)
-            final = folder / f"{batch_name}.parquet"
-            tmp = folder / f".{batch_name}.parquet.tmp"
-            conn.execute(
-                f"COPY (SELECT * FROM new_rows WHERE env = ?) TO '{tmp}' (FORMAT parquet)", [env]
-            )
-            tmp.replace(final)
+            with paths.atomic_path(folder / f"{batch_name}.parquet") as tmp:
+                conn.execute(f"COPY (SELECT * FROM new_rows WHERE env = ?) TO '{tmp}' (FORMAT parquet)", [env])
 
     def insert_labels(self, rows: Sequence[tuple], *, analyst: str, version: str) -> int:
         """Insert ``(trajectory_id, capability, run, label, rationale)`` rows; return how many were

@@ -135,9 +135,7 @@ def build_route_assets(settings: Settings) -> list:
                 "iterations": len(result.history), "mlflow_run_id": registered.run_id,
                 "model_version": registered.version, "trace_adapters": sorted(adapters),
             }
-            tmp = manifest.with_suffix(".tmp")
-            tmp.write_text(json.dumps(value, indent=2))
-            tmp.replace(manifest)
+            paths.atomic_write(manifest, json.dumps(value, indent=2))
         return Output(value, data_version=DataVersion(value["adapter_checksum"][:16]), metadata={
             "budget_rollouts": value["budget_rollouts"], "rollouts": value["rollouts"],
             "iterations": value["iterations"], "mlflow_run_id": value["mlflow_run_id"],
@@ -196,7 +194,7 @@ def build_route_assets(settings: Settings) -> list:
                 full_index = {**index, None: base_prompts}
                 state = _jsonable_state(RetrievalRouter(embedder, full_index, mode=route_cfg.mode, k=route_cfg.k,
                                                         threshold=route_cfg.threshold).state())
-                cache.write_text(json.dumps(state))
+                paths.atomic_write(cache, json.dumps(state))
         value = {
             "kind": route_cfg.kind, "candidates": candidates, "index_key": index_key,
             "adapters": {n: {"adapter_dir": a["adapter_dir"], "model_version": a["model_version"]} for n, a in adapters.items()},
@@ -284,7 +282,7 @@ def build_route_assets(settings: Settings) -> list:
         }
         for name, png in report["pngs"].items():
             metadata.update(png_metadata(png, name))
-        (paths.sub("reports") / "latest_report.md").write_text(report["markdown"])
+        paths.atomic_write(paths.sub("reports") / "latest_report.md", report["markdown"])
         frames = ("pngs", "systems", "routing", "confusion", "paired", "nulls", "fidelity")
         value = {k: v for k, v in report.items() if k not in frames}
         value["nulls"] = report["nulls"].to_dicts()

@@ -150,9 +150,7 @@ def build_train_assets(settings: Settings) -> list:
             },
             "curve": curve.to_dicts(),
         }
-        tmp = manifest.with_name(f".{manifest.name}.tmp-{context.run_id[:8]}")
-        tmp.write_text(json.dumps(value, indent=2, default=str))
-        tmp.replace(manifest)
+        paths.atomic_write(manifest, json.dumps(value, indent=2, default=str))
         return Output(value, data_version=DataVersion(stable_hash([value["adapter_checksum"], gate["promoted"]])),
                       metadata=_metadata(value))
 

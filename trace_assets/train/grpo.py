@@ -76,11 +76,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import random
 import shutil
 import time
-import uuid
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -98,7 +96,7 @@ from trace_assets.agent.lora import (
 )
 from trace_assets.agent.rollout import Rollout, run_rollouts
 from trace_assets.envs.base import Environment
-from trace_assets.paths import swap_in_folder
+from trace_assets.paths import atomic_folder, atomic_write
 from trace_assets.train.config import GRPOConfig
 
 log = logging.getLogger(__name__)
@@ -445,21 +443,13 @@ class GRPOTrainer:
         root = self.checkpoint_root
         root.mkdir(parents=True, exist_ok=True)
         final = root / f"iter-{self.iteration:04d}"
-        tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        try:
+        with atomic_folder(final) as tmp:  # a re-run of the same iteration swaps it in
             self.model.save_pretrained(tmp / "adapter")
             torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
             torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
             state = {"format": CHECKPOINT_FORMAT, "iteration": self.iteration, "config": self.config.to_dict(),
                      "history": [m.to_dict() for m in self.history]}
             (tmp / "state.json").write_text(json.dumps(state, indent=1))
-            if final.exists():  # a re-run of the same iteration: swap it in
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         older = sorted(p for p in root.glob("iter-*") if p != final)
         keep_older = max(self.config.keep_checkpoints - 1, 0)
         for stale in older[: len(older) - keep_older]:
@@ -491,7 +481,8 @@ class GRPOTrainer:
 
     def resume(self) -> int:
         """Clean leftovers of killed writes and load the newest checkpoint; iterations done."""
-        for stale in self.checkpoint_root.glob(".tmp-*") if self.checkpoint_root.is_dir() else []:
+        # Every hidden entry is one: a temporary folder (``paths.atomic_folder``) or a swapped-out one.
+        for stale in self.checkpoint_root.glob(".*") if self.checkpoint_root.is_dir() else []:
             shutil.rmtree(stale, ignore_errors=True)
         latest = self.latest_checkpoint()
         if latest is None:
@@ -688,27 +679,16 @@ class GRPOTrainer:
         adapter_dir = self.save_adapter(self.output_dir / "adapter")
         result = GRPOResult(adapter_dir=adapter_dir, history=list(self.history), config=self.config,
                             resumed_from=resumed_from, output_dir=self.output_dir)
-        _atomic_write_text(self.output_dir / "summary.json", json.dumps(result.summary(), indent=1))
+        atomic_write(self.output_dir / "summary.json", json.dumps(result.summary(), indent=1))
         return result
 
     def save_adapter(self, folder: Path) -> Path:
         """Save the adapter (PEFT format) to ``folder`` atomically, replacing an older one."""
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = folder.parent / f".tmp-{folder.name}-{uuid.uuid4().hex[:8]}"
-        try:
+        with atomic_folder(folder) as tmp:
             self.model.save_pretrained(tmp)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return swap_in_folder(tmp, folder)
+        return folder
 
 
 def _default_backend(config: GRPOConfig) -> BackendFactory:
     return lambda model, tokenizer: TransformersBackend(model, tokenizer, batch_size=config.generation_batch_size)
 
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.write_text(text)
-    os.replace(tmp, path)

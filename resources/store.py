@@ -27,6 +27,7 @@ from dagster import ConfigurableResource
 from pydantic import Field
 
 from trace_assets import paths
+from trace_assets.identify.stats import run_stats_sql
 
 PIPELINE_SOURCE = "base_rollout"
 """``source`` of the base agent's rollouts that ``base_trajectories`` stores (imports name their file)."""
@@ -190,6 +191,34 @@ class TraceStore(ConfigurableResource):
             "SELECT trajectory_id, capability, run FROM labels WHERE dictionary_version = ?", [version]
         )
         return set(frame.iter_rows())
+
+    def label_summary(self, version: str, ids: Sequence[str]) -> dict[str, Any]:
+        """The labels of dictionary ``version`` on the trajectories ``ids``: ``n`` (how many),
+        ``hash`` (md5 over every trajectory, capability, run and label, in key order: what the
+        label matrix holds) and ``counts`` (a frame: one row per capability, a column per label)."""
+        with self.connect() as conn:
+            n, digest = conn.execute(
+                "SELECT count(*), md5(string_agg(trajectory_id || capability || run || label, ',' "
+                "ORDER BY trajectory_id, capability, run)) FROM labels WHERE dictionary_version = ? "
+                "AND trajectory_id IN (SELECT unnest(?::VARCHAR[]))", [version, list(ids)],
+            ).fetchone()
+            counts = conn.sql(
+                "SELECT capability, label, count(*) AS n FROM labels WHERE dictionary_version = ? "
+                "AND trajectory_id IN (SELECT unnest(?::VARCHAR[])) GROUP BY ALL ORDER BY ALL", params=[version, list(ids)],
+            ).pl()
+        return {"n": n, "hash": digest, "counts": counts.pivot(on="label", index="capability", values="n").fill_null(0)}
+
+    def capability_run_stats(self, version: str, outcomes: pl.DataFrame) -> pl.DataFrame:
+        """``identify.stats.run_stats_sql`` over the labels of dictionary ``version`` against
+        ``outcomes`` (``trajectory_id``, ``success``: the current D+ and D-), also kept in the table
+        ``capability_run_stats`` (replaced each time)."""
+        with self.connect() as conn:
+            conn.register("outcomes", outcomes.to_arrow())
+            runs = run_stats_sql(conn, version)
+            conn.register("runs", runs.to_arrow())
+            conn.execute("CREATE OR REPLACE TABLE capability_run_stats AS SELECT ?::VARCHAR AS dictionary_version, * "
+                         "FROM runs", [version])
+        return runs
 
     def trajectories_by_id(self, ids: Sequence[str]) -> list[dict[str, Any]]:
         """The stored records among ``ids`` (decoded like ``trajectories``)."""

@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trace_assets.agent.model import load_model  # noqa: E402
 from trace_assets.envs import get_environment  # noqa: E402
 from trace_assets.synthesize import SyntheticEnv, template_spec  # noqa: E402
-from trace_assets.train.grpo import DEMO, GRPOTrainer  # noqa: E402
+from trace_assets.settings import DEMO_GRPO as DEMO  # noqa: E402
+from trace_assets.train.grpo import GRPOTrainer  # noqa: E402
 
 
 def main() -> None:

@@ -32,7 +32,8 @@ def main() -> None:
     from trace_assets.envs import get_environment
     from trace_assets.synthesize import SyntheticEnv, template_spec
     from trace_assets.train.heldout import EvalConfig, compare_base_and_adapter
-    from trace_assets.train.grpo import DEMO, GRPOTrainer
+    from trace_assets.settings import DEMO_GRPO as DEMO
+    from trace_assets.train.grpo import GRPOTrainer
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="agent folder (default: the latest base_agent, else the demo model)")
@@ -67,9 +68,8 @@ def main() -> None:
                                   progress=lambda m: console.print(f"seed={seed} swap={swap} {m.line()}"))
             result = trainer.train(resume=False)
             train_s = time.perf_counter() - start
-            report = compare_base_and_adapter(trainer.model, tokenizer, env, EvalConfig(
-                n_tasks=args.eval_tasks, max_steps=config.max_steps, max_new_tokens=config.max_new_tokens,
-                max_context_tokens=config.max_context_tokens), backend_factory=factory)
+            report = compare_base_and_adapter(trainer.model, tokenizer, env,
+                                              EvalConfig.from_limits(config, n_tasks=args.eval_tasks), backend_factory=factory)
             rows.append((seed, swap, report["base"], report["adapter"],
                          len(result.history) * config.groups * config.samples_per_group,
                          sum(m.hinted for m in result.history), train_s))

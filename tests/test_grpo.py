@@ -16,8 +16,9 @@ from trace_assets.agent.model import load_model
 from trace_assets.envs import get_environment
 from trace_assets.synthesize import SyntheticEnv, template_spec
 from trace_assets.train import grpo
+from trace_assets.settings import DEMO_GRPO
+from trace_assets.settings import TINY as TINY_SETTINGS
 from trace_assets.train.grpo import (
-    TINY,
     GRPOConfig,
     GRPOTrainer,
     NonFiniteLossError,
@@ -30,6 +31,7 @@ from trace_assets.train.grpo import (
 )
 
 TARGET = get_environment("retail")
+TINY = TINY_SETTINGS.train.grpo
 
 
 # ---------------------------------------------------------------- math
@@ -328,8 +330,9 @@ def test_hinted_episodes_are_trained_with_the_plain_system_prompt(tiny_model_pat
 
 def test_config_round_trips_and_profiles_state_their_differences():
     assert GRPOConfig.from_dict(TINY.to_dict()) == TINY
-    assert grpo.PAPER.learning_rate == 1e-5 and grpo.PAPER.iterations == 40 and grpo.PAPER.temperature == 1.0
-    demo = grpo.DEMO
+    paper = GRPOConfig()
+    assert paper.learning_rate == 1e-5 and paper.iterations == 40 and paper.temperature == 1.0
+    demo = DEMO_GRPO
     assert (demo.learning_rate, demo.iterations, demo.groups, demo.samples_per_group, demo.steps_per_iteration,
             demo.micro_batch_size, demo.max_steps, demo.temperature) == (1e-4, 4, 4, 4, 1, 4, 12, 0.7)
     assert demo.lora_r == 16 and demo.beta == 0.0 and demo.epsilon == 0.2
@@ -405,10 +408,10 @@ def test_execution_settings_never_retrain_recipe_settings_do():
     from dagster import AssetKey
 
     from trace_assets.definitions import build_definitions
-    from trace_assets.settings import TINY as TINY_SETTINGS
 
     def versions(**overrides):
-        settings = dataclasses.replace(TINY_SETTINGS, train=dataclasses.replace(TINY_SETTINGS.train, overrides=overrides))
+        train = TINY_SETTINGS.train
+        settings = dataclasses.replace(TINY_SETTINGS, train=dataclasses.replace(train, grpo=dataclasses.replace(train.grpo, **overrides)))
         graph = build_definitions(settings).resolve_asset_graph()
         return {k: graph.get(AssetKey(k)).code_version for k in ("lora_adapter", "grpo_baseline")}
 

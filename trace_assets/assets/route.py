@@ -72,7 +72,7 @@ def build_route_assets(settings: Settings) -> list:
     from trace_assets.agent.identity import planned_generation
 
     route_cfg, roll_cfg = settings.route, settings.rollout
-    grpo_config = settings.train.config()
+    grpo_config = settings.train.grpo
     generation = planned_generation(settings.generation)  # a backend or dtype switch re-evaluates
 
     @asset(
@@ -89,9 +89,10 @@ def build_route_assets(settings: Settings) -> list:
         from sensors import record_worker
 
         record_worker(context)  # it holds the `train` slot: a killed worker must be reapable
+        from trace_assets.assets.train import train_grpo
         from trace_assets.envs.splits import TaskPoolEnv
         from trace_assets.route.evaluation import adapter_rollouts
-        from trace_assets.train.grpo import GRPOError, GRPOTrainer
+        from trace_assets.train.runs import train_or_reuse
 
         lora_adapter = by_partition(context, "lora_adapter", lora_adapter)
         synthetic_env = by_partition(context, "synthetic_env", synthetic_env)
@@ -111,33 +112,24 @@ def build_route_assets(settings: Settings) -> list:
                           seed=grpo_config.seed)
         key = stable_hash([base_agent.get("checksum") or base_agent["path"], config.identity(), [t.task_id for t in env.tasks], BASELINE_VERSION])
         out_dir = paths.sub("adapters", "_grpo_target", key)
-        manifest = out_dir / "trace_adapter.json"
-        if manifest.exists():
-            value = json.loads(manifest.read_text())
-        else:
-            model, tokenizer = models.load(base_agent["path"])
+
+        def train() -> dict[str, Any]:
             context.log.info(f"GRPO on the target: budget {budget} rollouts = {iterations} iterations x {per_iteration}")
-            trainer = GRPOTrainer(model, tokenizer, env, config, out_dir,
-                                  backend_factory=models.policy_backend_factory(base_agent["path"]),
-                                  progress=lambda m: context.log.info(f"[grpo_target] {m.line()}"))
-            try:
-                result = trainer.train()
-            except GRPOError as exc:
-                raise Failure(f"grpo_baseline: {exc}. Re-materializing resumes from the last checkpoint.") from exc
+            _, result = train_grpo(models, base_agent, env, config, out_dir, what="grpo_baseline", tag="grpo_target",
+                                   log=context.log.info)
             registered = mlflow.log_training(
                 "grpo_target", adapter_dir=result.adapter_dir, history=result.history,
                 params={**config.to_dict(), "budget_rollouts": budget},
                 lineage={"capability": "grpo_target", "base_model": models.base_model, "dagster_run_id": context.run_id},
             )
-            value = {
+            return {
                 "adapter_dir": str(result.adapter_dir), "adapter_checksum": folder_checksum(result.adapter_dir),
                 "budget_rollouts": budget, "rollouts": len(result.history) * per_iteration,
                 "iterations": len(result.history), "mlflow_run_id": registered.run_id,
                 "model_version": registered.version, "trace_adapters": sorted(adapters),
             }
-            tmp = manifest.with_suffix(".tmp")
-            tmp.write_text(json.dumps(value, indent=2))
-            tmp.replace(manifest)
+
+        value, _ = train_or_reuse(out_dir, train)
         return Output(value, data_version=DataVersion(value["adapter_checksum"][:16]), metadata={
             "budget_rollouts": value["budget_rollouts"], "rollouts": value["rollouts"],
             "iterations": value["iterations"], "mlflow_run_id": value["mlflow_run_id"],
@@ -196,7 +188,7 @@ def build_route_assets(settings: Settings) -> list:
                 full_index = {**index, None: base_prompts}
                 state = _jsonable_state(RetrievalRouter(embedder, full_index, mode=route_cfg.mode, k=route_cfg.k,
                                                         threshold=route_cfg.threshold).state())
-                cache.write_text(json.dumps(state))
+                paths.atomic_write(cache, json.dumps(state))
         value = {
             "kind": route_cfg.kind, "candidates": candidates, "index_key": index_key,
             "adapters": {n: {"adapter_dir": a["adapter_dir"], "model_version": a["model_version"]} for n, a in adapters.items()},
@@ -284,7 +276,7 @@ def build_route_assets(settings: Settings) -> list:
         }
         for name, png in report["pngs"].items():
             metadata.update(png_metadata(png, name))
-        (paths.sub("reports") / "latest_report.md").write_text(report["markdown"])
+        paths.atomic_write(paths.sub("reports") / "latest_report.md", report["markdown"])
         frames = ("pngs", "systems", "routing", "confusion", "paired", "nulls", "fidelity")
         value = {k: v for k, v in report.items() if k not in frames}
         value["nulls"] = report["nulls"].to_dicts()

@@ -80,9 +80,7 @@ def build_synthesize_assets(settings: Settings) -> list:
         folder = paths.sub("envs", name)
         spec_path = folder / f"{digest}.json"
         if not spec_path.exists():
-            tmp = folder / f".{digest}.json.tmp"
-            tmp.write_text(json.dumps(final, indent=2, sort_keys=True))
-            tmp.replace(spec_path)
+            paths.atomic_write(spec_path, json.dumps(final, indent=2, sort_keys=True))
         rollouts = rollout_fn.last
         rewards = [r.result.reward for r in rollouts]
         env = SyntheticEnv(final, target)

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trace_assets.agent.backends import TransformersBackend
-from trace_assets.agent.rollout import Rollout, RolloutConfig, run_rollouts
+from trace_assets.agent.rollout import Rollout, RolloutConfig, run_rollouts, with_limits
 from trace_assets.envs.base import Environment
 
 HELD_OUT_OFFSET = 900_000
@@ -43,13 +43,15 @@ class EvalConfig:
     max_context_tokens: int = 4096
     batch_size: int = 32
 
+    from_limits = classmethod(with_limits)
+    """``EvalConfig.from_limits(grpo_config, n_tasks=...)``: the episode limits a run trained under."""
+
     @classmethod
     def paper(cls) -> "EvalConfig":
         return cls(max_steps=50, max_context_tokens=32768)
 
     def rollout_config(self) -> RolloutConfig:
-        return RolloutConfig(max_steps=self.max_steps, max_new_tokens=self.max_new_tokens, temperature=0.0,
-                             max_context_tokens=self.max_context_tokens)
+        return RolloutConfig.from_limits(self, temperature=0.0)
 
 
 @dataclass

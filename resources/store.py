@@ -197,11 +197,11 @@ class TraceStore(ConfigurableResource):
         ``hash`` (md5 over every trajectory, capability, run and label, in key order: what the
         label matrix holds) and ``counts`` (a frame: one row per capability, a column per label)."""
         with self.connect() as conn:
-            n, digest = conn.execute(
+            [(n, digest)] = conn.execute(
                 "SELECT count(*), md5(string_agg(trajectory_id || capability || run || label, ',' "
                 "ORDER BY trajectory_id, capability, run)) FROM labels WHERE dictionary_version = ? "
                 "AND trajectory_id IN (SELECT unnest(?::VARCHAR[]))", [version, list(ids)],
-            ).fetchone()
+            ).fetchall()
             counts = conn.sql(
                 "SELECT capability, label, count(*) AS n FROM labels WHERE dictionary_version = ? "
                 "AND trajectory_id IN (SELECT unnest(?::VARCHAR[])) GROUP BY ALL ORDER BY ALL", params=[version, list(ids)],

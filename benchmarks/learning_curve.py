@@ -289,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     overrides = {"learning_rate": args.lr, "iterations": args.iterations, "groups": args.groups,
                  "samples_per_group": args.samples, "max_new_tokens": args.max_new_tokens, "max_steps": args.max_steps,
                  "temperature": args.temperature}
-    config = replace(settings.train.config(), **{k: v for k, v in overrides.items() if v is not None})
+    config = replace(settings.train.grpo, **{k: v for k, v in overrides.items() if v is not None})
     mode = VALIDATION if args.select else HELD_OUT
     eval_config = EvalConfig(n_tasks=args.eval_tasks or settings.train.eval_tasks,
                              seed_offset=TRAIN_VALIDATION_OFFSET if args.select else HELD_OUT_OFFSET,

@@ -214,9 +214,9 @@ def blocked_items(graph, items, failed: set[tuple]) -> set[tuple]:
 
 
 def release_memory() -> None:
-    """Hand memory freed by a finished run back to the OS. Every run executes in this process, and
-    glibc keeps freed heap pages (a warm-start's activations) mapped, so without this the process's
-    RSS only grows from step to step."""
+    """Hand memory freed by a finished step back to the OS (the main job's step hooks call it).
+    Every step executes in this process, and glibc keeps freed heap pages (a warm-start's
+    activations) mapped, so without this the process's RSS only grows from step to step."""
     import ctypes
     import gc
 
@@ -258,7 +258,6 @@ def run_stale(defs, instance, job_name: str, *, max_waves: int = 50,
                     tags={DEMO_PID_TAG: str(os.getpid())},
                 )
                 run_ids.append(result.run_id)
-                release_memory()
                 peaks = step_peaks_mb(instance, result.run_id, sampler)
                 if peaks:  # the closing table reads it; the UI shows it with the run's tags
                     instance.add_run_tags(result.run_id, {PEAK_RSS_TAG: json.dumps(peaks, sort_keys=True)})

@@ -48,7 +48,7 @@ class StepRow:
 
 def step_rows(defs: Any, instance: Any, run_ids: Sequence[str]) -> list[StepRow]:
     """The closing table's rows, in the asset graph's topological order, each partition apart."""
-    from dagster import AssetRecordsFilter, DagsterEventType, EventRecordsFilter
+    from dagster import DagsterEventType, EventRecordsFilter
 
     from trace_assets.orchestrate import PEAK_RSS_TAG
 
@@ -61,12 +61,7 @@ def step_rows(defs: Any, instance: Any, run_ids: Sequence[str]) -> list[StepRow]
                 durations[(entry.run_id, entry.step_key)] = entry.dagster_event.event_specific_data.duration_ms / 1000
     rows = []
     for key in defs.resolve_asset_graph().toposorted_asset_keys:
-        records = instance.fetch_materializations(AssetRecordsFilter(asset_key=key), limit=200).records
-        latest: dict[str | None, Any] = {}
-        for record in records:  # newest first: the first per partition is its latest
-            latest.setdefault(record.partition_key, record.event_log_entry)
-        for partition in sorted(latest, key=lambda p: p or ""):
-            entry = latest[partition]
+        for partition, entry in _latest_entries(instance, key).items():
             metadata = entry.asset_materialization.metadata
             figures = ", ".join(f"{k}={v.value}" for k, v in metadata.items() if k in SUMMARY_KEYS)
             step = key.to_python_identifier()
@@ -108,14 +103,22 @@ def _wall(seconds: float | None) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
 
 
-def _latest(instance: Any, name: str) -> list[Any]:
-    """Every partition's latest materialization of asset ``name`` (one element when unpartitioned)."""
-    from dagster import AssetKey, AssetRecordsFilter
+def _latest_entries(instance: Any, key: Any) -> dict[str | None, Any]:
+    """The event log entry of each partition's latest materialization of ``key`` (the key None
+    when unpartitioned), in partition order."""
+    from dagster import AssetRecordsFilter
 
     latest: dict[str | None, Any] = {}
-    for record in instance.fetch_materializations(AssetRecordsFilter(asset_key=AssetKey(name)), limit=200).records:
-        latest.setdefault(record.partition_key, record.event_log_entry.asset_materialization)
-    return [latest[p] for p in sorted(latest, key=lambda p: p or "")]
+    for record in instance.fetch_materializations(AssetRecordsFilter(asset_key=key), limit=200).records:
+        latest.setdefault(record.partition_key, record.event_log_entry)  # newest first
+    return {p: latest[p] for p in sorted(latest, key=lambda p: p or "")}
+
+
+def _latest(instance: Any, name: str) -> list[Any]:
+    """Every partition's latest materialization of asset ``name`` (one element when unpartitioned)."""
+    from dagster import AssetKey
+
+    return [entry.asset_materialization for entry in _latest_entries(instance, AssetKey(name)).values()]
 
 
 def _md(materialization: Any, entry: str) -> str | None:
@@ -181,12 +184,8 @@ def _num(x: Any) -> str:
 
 
 def write_report(name: str, markdown: str) -> Path:
-    """Write ``reports/<name>`` under the data folder atomically (a unique temp name, then a rename)."""
-    out = paths.sub("reports") / name
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(markdown)
-    tmp.replace(out)
-    return out
+    """Write ``reports/<name>`` under the data folder atomically (``paths.atomic_write``)."""
+    return paths.atomic_write(paths.sub("reports") / name, markdown)
 
 
 def readme_section(report: str) -> str:
@@ -223,7 +222,5 @@ def update_readme(readme: Path, sections: Mapping[str, str], *, write: bool = Tr
     for name, body in sections.items():
         new = splice(new, name, body, source=str(readme))
     if write and new != text:
-        tmp = readme.with_name(f".{readme.name}.{os.getpid()}.tmp")
-        tmp.write_text(new)
-        tmp.replace(readme)
+        paths.atomic_write(readme, new)
     return new != text

@@ -534,7 +534,6 @@ class ServedBackend:
 
     def __init__(self, client: Any, tokenizer: Any) -> None:
         self.client, self.tokenizer = client, tokenizer
-        self.peft_model, self.adapter = None, client.model
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         out = []

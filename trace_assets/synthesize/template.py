@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from trace_assets.envs.base import Environment
+from trace_assets.envs.base import Environment, target_hook
 from trace_assets.envs.splits import SYNTHETIC_SEED_BASE
 from trace_assets.synthesize.spec import DEFAULT_DIFFICULTY, SCHEMA_VERSION, fixed_knobs, tool_groups
 
@@ -178,8 +178,6 @@ def _task_list_difficulty(target_env: Environment) -> dict[str, Any]:
 
 
 def _task_list_plans(target_env: Environment) -> dict[str, Plan]:
-    from trace_assets.envs.base import target_hook
-
     train = target_env.official_splits()["train"]
     writes = target_hook(target_env, "tool_classes")()["write"]
     by_family: dict[str, list[Any]] = {}
@@ -253,9 +251,8 @@ def template_spec(capability: dict[str, Any], target_env: Environment, *,
         checks, hint = copy.deepcopy(_GENERIC_CHECKS), _GENERIC_HINT
         if not tool_groups(target_env)["@account"]:  # nothing needs authentication: ordering could not fail
             checks = [c for c in checks if c["id"] != AUTH_FIRST["id"]]
-        difficulty, scenario = copy.deepcopy(MIDDLE), copy.deepcopy(TARGET_SCENARIO)
-        if task_list:
-            difficulty = copy.deepcopy(_task_list_difficulty(target_env))
+        difficulty = _task_list_difficulty(target_env) if task_list else copy.deepcopy(MIDDLE)
+        scenario = copy.deepcopy(TARGET_SCENARIO)
     counts = _failure_families(failed_trajectories, name, known)
     total = sum(counts.values())
     weights = dict(base)

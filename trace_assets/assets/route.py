@@ -26,6 +26,7 @@ from resources.models import ModelResource
 from resources.store import TraceStore
 from trace_assets import paths
 from trace_assets.envs import get_environment
+from trace_assets.envs.base import target_hook
 from trace_assets.envs.splits import tasks_of
 from trace_assets.paths import folder_checksum
 from trace_assets.figures import png_metadata, to_markdown
@@ -146,7 +147,6 @@ def build_route_assets(settings: Settings) -> list:
         selected_capabilities: dict, lora_adapter: Any, synthetic_env: Any, trajectory_splits: dict, base_agent: dict,
     ) -> Output[dict[str, Any]]:
         """The router over the current C*: candidates, their adapters, and the retrieval index cache."""
-        from trace_assets.envs.retail.expert import demonstrate
         from trace_assets.route.router import example_text, first_user_prompt
         from trace_assets.synthesize import SyntheticEnv
 
@@ -164,7 +164,7 @@ def build_route_assets(settings: Settings) -> list:
             env = SyntheticEnv(json.loads(open(synthetic_env[name]["spec_path"]).read()), target)
             tasks = env.sample_tasks(route_cfg.index_prompts, offset=route_cfg.index_offset)
             index[name] = [first_user_prompt(env, t) for t in tasks]
-            messages, result = demonstrate(env, tasks[0])  # one successful trajectory of its environment
+            messages, result = target_hook(target, "expert")(tasks[0], via=env)  # one successful trajectory of its environment
             description = next(c["description"] for c in selected_capabilities["capabilities"] if c["name"] == name)
             candidates.append({"name": name, "description": description, "example": example_text(messages)})
         wanted = set(trajectory_splits["d_plus"])

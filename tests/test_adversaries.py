@@ -81,5 +81,7 @@ def test_adversaries_fail_every_synthetic_env_where_their_behaviour_is_wrong(cap
             if refusal_is_right:  # refusing a forbidden cancellation is the right move
                 assert result.success, (name, task.task_id)
                 continue
+            if name == "write_without_asking" and task.family == "order_status" and capability == "confirm_before_writing":
+                continue  # a contrast episode: nothing to write, so writing without asking is not what is judged
             failing = [c["id"] for c in result.info["rubric"] if c["applicable"] and not c["passed"]]
             assert not result.success and result.reward < 1.0 and failing, (name, capability, task.task_id)

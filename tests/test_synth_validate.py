@@ -26,6 +26,7 @@ from trace_assets.synthesize import (
     template_spec,
 )
 from trace_assets.synthesize.llm_synth import render_prompt
+from trace_assets.synthesize.validate import ISOLATION_BOUNDS
 
 ENV = get_environment("retail")
 
@@ -118,7 +119,10 @@ def test_isolation_matrix_row_of_every_template_env(name):
     assert set(rows) == {"full", *ABLATIONS, *ADVERSARIES} and all(r["n"] == n for r in rows.values())
     assert rows["full"]["success"] == 1.0
     assert rows[name]["n_acts"] > 0 and rows[name]["success_where_acts"] == 0.0
-    assert all(rows[other]["success"] == 1.0 for other in ABLATIONS if other != name)
+    # Overlaps by design: E_confirm's contrast episodes (order_status) need the status told.
+    overlap = {"confirm_before_writing": {"communicate_results"}}.get(name, set())
+    assert all(rows[other]["success"] == 1.0 for other in ABLATIONS if other != name and other not in overlap)
+    assert all(ISOLATION_BOUNDS[1] <= rows[other]["success"] < 1.0 for other in overlap)
     # Refusing everything and ending at once never solve a decision point that needs an action.
     assert rows["end_at_once"]["success"] == 0.0 and rows["refuse_everything"]["success"] <= 0.5
     json.dumps(report)

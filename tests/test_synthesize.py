@@ -362,12 +362,12 @@ def test_names_seeds_and_determinism(spec):
     with pytest.raises(ValueError):
         env.make_task("return_delivered", 42)  # a target split seed
     with pytest.raises(ValueError):
-        env.make_task("order_status", BASE)  # not a family of this spec
+        env.make_task("cancel_forbidden", BASE)  # not a family of this spec
     tasks = env.sample_tasks(40)
     assert [t.seed for t in tasks] == list(range(BASE, BASE + 40))
     assert tasks == env.sample_tasks(40)
     counts = {f: sum(t.family == f for t in tasks) for f in env.families()}
-    assert counts["cancel_declined"] == max(counts.values())  # weight 2 vs 1
+    assert max(counts, key=counts.get) in ("cancel_declined", "order_status")  # weight 2 vs 1
 
 
 def _with(spec, **knobs):
@@ -500,6 +500,11 @@ def test_gold_solvable_reports_unsatisfiable_rubrics_and_missing_tools(spec):
     narrow = copy.deepcopy(spec)
     narrow["target"]["tools"] = ["find_user_id_by_email", "find_user_id_by_name_zip", "get_order_details", "cancel_pending_order"]
     narrow["tasks"]["families"] = [{"name": "cancel_pending", "weight": 1}, {"name": "return_delivered", "weight": 1}]
+    kept = {"cancel_pending", "return_delivered"}
+    for check in narrow["rubric"]["checks"]:  # checks scoped to families the narrow spec drops
+        if "families" in check.get("when", {}):
+            check["when"]["families"] = [f for f in check["when"]["families"] if f in kept]
+    narrow["rubric"]["checks"] = [c for c in narrow["rubric"]["checks"] if c.get("when", {}).get("families", True)]
     found = gold_solvable(narrow, ENV, seeds=1)
     assert len(found) == 1 and found[0].startswith("return_delivered/") and "unknown tool" in found[0]
 
@@ -543,6 +548,28 @@ def test_only_the_agents_part_is_scored():
     told = env.start(task)
     told.user_reply(f"Order {task.scenario['intents'][0]['order_id']} is cancelled; {task.required_info[0]} will be refunded.")
     assert told.result().reward == 1.0
+
+
+def test_confirm_env_has_contrast_episodes_where_asking_is_wrong():
+    """E_confirm_before_writing also starts where an answer is due and nothing is to be confirmed
+    (order_status, before the report): asking "shall I proceed?" there fails a check, so "ask at
+    every decision point" is not the optimum; answering scores 1. On a write family asking is
+    still what the reward requires."""
+    env = SyntheticEnv(template_spec(cap("confirm_before_writing"), ENV), ENV)
+    task = env.make_task("order_status", BASE + 5)
+    asked = env.start(task)
+    asked.user_reply("I can help with that. Would you like me to proceed? Please confirm (yes/no).")
+    if not asked.finished:
+        asked.user_reply(f"Your order is {task.required_info[0] if task.required_info else 'on its way'}.")
+    result = asked.result()
+    checks = {c["id"]: c for c in result.info["rubric"]}
+    assert not checks["nothing_to_confirm"]["passed"] and "nothing to confirm" in checks["nothing_to_confirm"]["detail"]
+    assert result.reward < 1.0 and not result.success
+    assert not checks["asked"]["applicable"]  # asking is scored only where something is to be confirmed
+    _, expert = demonstrate(env, task)  # the expert answers at once
+    assert expert.reward == 1.0 and {c["id"]: c for c in expert.info["rubric"]}["nothing_to_confirm"]["passed"]
+    write_task = env.make_task("cancel_pending", BASE + 5)
+    assert demonstrate(env, write_task, confirm=False)[1].reward < 1.0
 
 
 def test_horizon_ends_after_the_decisive_call():

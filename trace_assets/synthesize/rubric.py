@@ -196,6 +196,10 @@ def _score(check: dict[str, Any], trace: Trace, task: Task, groups: Groups) -> t
         if check.get("or_wrote") and wrote:
             return 1.0, f"no confirmation question, but write #{wrote[0]} was made"
         return 0.0, "the user was never asked to confirm"
+    if kind == "no_confirmation_question":
+        if trace.confirmations:
+            return 0.0, f"asked the user to confirm {trace.confirmations} time(s) where there was nothing to confirm"
+        return 1.0, "asked no confirmation question"
     if kind == "calls_satisfy":
         tools = selector_tools(check["tool"], groups)
         bad = [i for i, c in trace.agent_calls()

@@ -35,7 +35,7 @@ SCHEMA_FILE = "envspec.schema.json"
 SCHEMA_VERSION = "2"
 V1_CHECK_KINDS = ("required_call", "ordering", "forbidden_call", "final_state_match", "info_communicated",
                   "no_policy_violation", "no_tool_error")
-CHECK_KINDS = V1_CHECK_KINDS + ("asked_confirmation", "calls_satisfy", "replied")
+CHECK_KINDS = V1_CHECK_KINDS + ("asked_confirmation", "calls_satisfy", "replied", "no_confirmation_question")
 KNOBS = ("hint_share", "volunteer_identity", "distractor_orders", "family_bias")
 DEFAULT_DIFFICULTY: dict[str, Any] = {"hint_share": 0.0, "volunteer_identity": 0.0, "distractor_orders": 0,
                                       "family_bias": 0.0, "frozen": []}

@@ -15,6 +15,8 @@ name gets a generic spec (all families, whole episodes, balanced rubric). Choice
   exhibit the capability (``info.family``, filtered by the capability's heuristic rule when there is
   one) raise their families' weights by up to 3x; only the generic spec gains families from them (a
   plan's families are the ones where its decision point exists and isolation holds).
+* contrast episodes: confirm_before_writing also starts where an answer is due and nothing is to be
+  confirmed (order_status), so a policy that asks before everything is not rewarded.
 * rubric: checks that judge only the decision (an expert lacking another capability passes them),
   guarded by ``when`` so each one applies only to tasks where it is satisfiable (the expert reaches
   reward 1 on every family).
@@ -39,7 +41,7 @@ from trace_assets.envs.base import Environment, target_hook
 from trace_assets.envs.splits import SYNTHETIC_SEED_BASE
 from trace_assets.synthesize.spec import DEFAULT_DIFFICULTY, SCHEMA_VERSION, fixed_knobs, tool_groups
 
-TEMPLATE_VERSION = "v2"
+TEMPLATE_VERSION = "v3"
 """Bump when the plans below change: part of the synthesizer's code version."""
 SEED_RANGE = [SYNTHETIC_SEED_BASE, SYNTHETIC_SEED_BASE + 1_000_000]
 FORMAT_ERRORS = ["malformed tool call", "unknown tool", "missing argument", "unexpected argument", "must be"]
@@ -59,6 +61,8 @@ INFO = _check("told_user", "info_communicated", 1, info="required")
 AUTH_FIRST = _check("auth_first", "ordering", 2, before="@auth", after="@account")
 MIDDLE = {"hint_share": 0.25, "volunteer_identity": 0.5, "distractor_orders": 0, "family_bias": 0.0, "frozen": []}
 TARGET_SCENARIO = {"name_zip_share": None, "decline_share": 0.0}
+CONFIRMING_FAMILIES = ("cancel_pending", "cancel_declined", "modify_address", "return_delivered", "exchange_delivered")
+"""Retail families whose requests the expert proposes and has confirmed (a write, or a declined one)."""
 
 
 @dataclass(frozen=True)
@@ -88,13 +92,21 @@ _PLANS: dict[str, Plan] = {
         {**MIDDLE, "volunteer_identity": 0.0, "frozen": ["volunteer_identity"]},
         {"name_zip_share": 0.5, "decline_share": 0.0},
     ),
+    # Contrast episodes: order_status starts where the answer is due and nothing is to be
+    # confirmed, so asking there fails, and so does refusing or answering without the status;
+    # without them the rubric rewarded asking at every decision point it showed, and an adapter
+    # learned "ask" rather than "ask before writing". The answer check is communicate_results'
+    # too: its ablated expert fails these episodes (isolation success 5/6 families, bound 0.8).
     "confirm_before_writing": Plan(
-        {"cancel_pending": 1, "cancel_declined": 2, "modify_address": 1, "return_delivered": 1, "exchange_delivered": 1},
-        {"before": ["propose", "write"], "intent": 0},
+        {"cancel_pending": 1, "cancel_declined": 2, "modify_address": 1, "return_delivered": 1, "exchange_delivered": 1,
+         "order_status": 2},
+        {"before": ["propose", "write", "report"], "intent": 0},
         {"after_call": "@write", "max_actions": 4},
         [_check("confirmed_writes", "no_policy_violation", 3, rules=["confirm_before_write"]),
-         _check("asked", "asked_confirmation", 2),
-         _check("respected_no", "forbidden_call", 2, tool="@write", when={"gold_avoids": "@write"})],
+         _check("asked", "asked_confirmation", 2, when={"families": list(CONFIRMING_FAMILIES)}),
+         _check("respected_no", "forbidden_call", 2, tool="@write", when={"gold_avoids": "@write"}),
+         _check("nothing_to_confirm", "no_confirmation_question", 2, when={"families": ["order_status"]}),
+         _check("answered", "info_communicated", 1, info="required", when={"families": ["order_status"]})],
         "Before any change, state exactly what you will do and ask the user for an explicit yes.",
         scenario={"name_zip_share": None, "decline_share": 0.25},
     ),

@@ -2,7 +2,9 @@
 
 Contract of :class:`GRPOTrainer` (``GRPOTrainer(model, tokenizer, env, config, output_dir).train()``):
 
-* The base model is frozen; a fresh LoRA adapter (``config.lora_*``) is the only trainable part.
+* The base model is frozen; a fresh LoRA adapter (``config.lora_*``) is the only trainable part. Its
+  initial weights are a function of ``config.seed`` alone (``agent.lora.seeded_lora_init``), so the
+  training seed drives both the initialization and the sampling.
 * Iteration ``i`` (1-based) samples ``G = config.groups`` tasks on the env's seeds
   ``seed_offset + (i-1)*G ...`` and plays ``K = config.samples_per_group`` episodes per task through
   the shared batched runner (:func:`run_rollouts`, temperature ``config.temperature``, sampling seed
@@ -104,6 +106,9 @@ from trace_assets.paths import swap_in_folder
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = 1
+LORA_INIT = "seeded-per-layer-v1"
+"""How a fresh adapter is initialized: ``agent.lora.seeded_lora_init`` with ``GRPOConfig.seed``.
+Until 2026-12-01 it was PEFT's init from torch's global RNG (not a function of the seed)."""
 
 
 # ---------------------------------------------------------------- configuration
@@ -192,8 +197,10 @@ class GRPOConfig:
 
     def identity(self) -> dict[str, Any]:
         """``to_dict()`` without :attr:`EXECUTION_FIELDS`: what an adapter's ``code_version`` and
-        folder key hash, so a memory setting tuned for a smaller machine never retrains anything."""
-        return {k: v for k, v in self.to_dict().items() if k not in self.EXECUTION_FIELDS}
+        folder key hash, so a memory setting tuned for a smaller machine never retrains anything.
+        It names the LoRA initialization scheme too (:data:`LORA_INIT`): adapters initialized
+        another way are other adapters."""
+        return {**{k: v for k, v in self.to_dict().items() if k not in self.EXECUTION_FIELDS}, "lora_init": LORA_INIT}
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -550,7 +557,7 @@ class GRPOTrainer:
             self.model = model
         else:
             self.model = add_lora(model, lora_config(config.lora_r, config.lora_alpha, config.lora_dropout,
-                                                     config.target_modules))
+                                                     config.target_modules), seed=config.seed)
         self.params = [p for _, p in self.model.named_parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.learning_rate, betas=config.adam_betas,
                                            weight_decay=config.weight_decay)

@@ -30,13 +30,19 @@ from trace_assets.trajectories import render_markdown
 GROUP = "synthesize"
 
 
+CALIBRATION_VERSION = "disjoint-from-training-seeded-v1"
+"""Bumped when calibration changes outside the settings (until 2026-12-01 it played GRPO's first
+training tasks, with sampling seeds 0, 1, 2 whatever the training seed)."""
+
+
 def build_synthesize_assets(settings: Settings) -> list:
     syn = settings.synthesis
+    train_seed = settings.train.config().seed  # the training seed drives calibration's sampling too
 
     @asset(
         group_name=GROUP, partitions_def=capability_partitions, kinds={"json"},
         automation_condition=per_capability_automation,
-        code_version=stable_hash([syn.__dict__, settings.section_hash("rollout")]),
+        code_version=stable_hash([syn.__dict__, settings.section_hash("rollout"), train_seed, CALIBRATION_VERSION]),
         check_specs=[AssetCheckSpec("calibration_and_fidelity", asset="synthetic_env", blocking=True,
                                     description="Fidelity to the target, gold-solvable, calibrated reward band, "
                                                 "isolation against ablated experts.")],
@@ -51,6 +57,7 @@ def build_synthesize_assets(settings: Settings) -> list:
         from trace_assets.synthesize import (
             SyntheticEnv,
             calibrate,
+            calibration_rollout_seed,
             check_spec,
             isolation_heatmap,
             isolation_markdown,
@@ -81,7 +88,8 @@ def build_synthesize_assets(settings: Settings) -> list:
         def rollout_fn(env, tasks, k, temperature):
             config = RolloutConfig(max_steps=syn.max_steps, max_new_tokens=settings.rollout.max_new_tokens,
                                    max_context_tokens=settings.rollout.max_context_tokens,
-                                   temperature=temperature, seed=len(last.get("rounds", [])))
+                                   temperature=temperature,
+                                   seed=calibration_rollout_seed(train_seed, len(last.get("rounds", []))))
             repeated = [t for t in tasks for _ in range(k)]
             round_index = len(last.get("rounds", []))
             context.log.info(f"calibration round {round_index}: {len(repeated)} episodes at T={temperature}, "

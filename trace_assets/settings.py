@@ -1,7 +1,9 @@
 """Pipeline settings: one frozen dataclass tree, chosen by profile and overridden by a TOML file.
 
 * ``TRACE_PROFILE`` picks the defaults: ``demo`` (the embedded SmolLM2 default, sized to run on a
-  2-core CPU) or ``tiny`` (a random tiny model and a handful of tasks, for tests and UI checks).
+  2-core CPU), ``tiny`` (a random tiny model and a handful of tasks, for tests and UI checks),
+  ``experiment`` (``make experiment``: the demo's recipe over 3 training seeds and 90 test tasks) or
+  ``paper`` (the paper-sized experiment, for a GPU).
 * ``TRACE_CONFIG`` may name a TOML file whose tables override fields, e.g.::
 
       base_model = "Qwen/Qwen2.5-0.5B-Instruct"
@@ -206,6 +208,34 @@ class RouteSettings:
 
 
 @dataclass(frozen=True)
+class ExperimentSettings:
+    """``make experiment``: Steps 2-4 repeated per training seed, the systems compared with paired
+    bootstrap intervals over tasks x seeds (``trace_assets.experiment``).
+
+    Each seed is a partition of the experiment's assets; the seed is ``GRPOConfig.seed`` of every
+    training there (GRPO sampling, LoRA initialization, the null control) and the training seed of
+    calibration. Steps 1 and the test split are shared by all seeds."""
+
+    seeds: tuple[int, ...] = (0,)
+    bootstrap_samples: int = 10_000
+    bootstrap_seed: int = 0
+    ablation: bool = True
+    """Also train the ablation: GRPO at equal rollouts on the target families the synthetic
+    environments draw from, with the target's binary reward."""
+    pass_k: int = 0
+    """k of pass^k for base, TRACE routed and GRPO on target (0: not measured); each costs
+    ``pass_k_trials`` sampled episodes per test task and system."""
+    pass_k_trials: int = 4
+    pass_k_temperature: float = 0.7
+
+    def __post_init__(self) -> None:
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or any(int(s) != s or s < 0 for s in self.seeds):
+            raise ValueError(f"experiment.seeds must be distinct non-negative integers, got {self.seeds!r}")
+        if self.pass_k < 0 or (self.pass_k and self.pass_k_trials < self.pass_k):
+            raise ValueError("experiment.pass_k must be >= 0 and at most pass_k_trials")
+
+
+@dataclass(frozen=True)
 class Settings:
     profile: str = "demo"
     base_model: str = "demo"  # "demo" | "tiny" | an HF model id | a local path
@@ -219,6 +249,7 @@ class Settings:
     synthesis: SynthesisSettings = field(default_factory=SynthesisSettings)
     train: TrainSettings = field(default_factory=TrainSettings)
     route: RouteSettings = field(default_factory=RouteSettings)
+    experiment: ExperimentSettings = field(default_factory=ExperimentSettings)
 
     def selection_rule(self):
         """The ``SelectionRule`` for these settings, K and N defaulted by the analyst kind."""
@@ -253,8 +284,38 @@ TINY = Settings(
     train=TrainSettings(profile="tiny", eval_tasks=2),
     # A random tiny model learns nothing the gate could promote: route to every adapter, for the plumbing.
     route=RouteSettings(index_prompts=3, include_unpromoted=True),
+    experiment=ExperimentSettings(seeds=(0, 1), bootstrap_samples=2000, pass_k=2, pass_k_trials=2),
 )
-PROFILES = {"demo": Settings(), "tiny": TINY}
+EXPERIMENT = replace(
+    Settings(),
+    profile="experiment",
+    # 10 held-out tasks per family (90), drawn after the demo's: the demo and train tasks, hence the
+    # warm-started agent and Step 1, are the demo's (``envs.splits``: the draw is prefix-stable).
+    tasks=TaskSettings(test_per_family=10),
+    selection=SelectionSettings(max_selected=0),  # all of C*
+    experiment=ExperimentSettings(seeds=(0, 1, 2), pass_k=4),
+)
+"""``make experiment`` on the 2-core CPU: the demo's recipe over 3 training seeds, all of C*, 90 test tasks."""
+
+PAPER = replace(
+    Settings(),
+    profile="paper",
+    base_model="Qwen/Qwen2.5-7B-Instruct",
+    warmstart=WarmStartSettings(enabled=False),  # it calls tools already
+    tasks=TaskSettings(test_per_family=20),
+    rollout=RolloutSettings(max_context_tokens=32768),
+    generation=GenerationSettings(backend="vllm", vllm_kv_cache_gb=40.0),
+    synthesis=SynthesisSettings(calibration_seeds=32, max_steps=50, temperature=1.0, max_rounds=5),
+    selection=SelectionSettings(max_selected=0),
+    train=TrainSettings(profile="paper", eval_tasks=64),
+    experiment=ExperimentSettings(seeds=(0, 1, 2, 3, 4), pass_k=4),
+)
+"""The paper-sized experiment for one GPU: a 7B agent without warm-start, the paper's GRPO (lr 1e-5,
+40 iterations, T 1.0, 50 steps, 32k context), calibration of 32 seeds per round, 180 test tasks,
+5 seeds. Set the model resource's ``device = "cuda"``; an ``[analyst] kind = "llm"`` endpoint makes
+Step 1 paper-faithful too."""
+
+PROFILES = {"demo": Settings(), "tiny": TINY, "experiment": EXPERIMENT, "paper": PAPER}
 
 
 ECHO_LIMIT = 200

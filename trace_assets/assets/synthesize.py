@@ -52,98 +52,114 @@ def build_synthesize_assets(settings: Settings) -> list:
         store: TraceStore, capability_spec: dict, base_agent: dict,
     ):
         """The capability's training environment: an EnvSpec interpreted on the target's machinery."""
-        from trace_assets.agent.rollout import RolloutConfig, run_rollouts
-        from trace_assets.llm_client import LLMError
-        from trace_assets.synthesize import (
-            SyntheticEnv,
-            calibrate,
-            calibration_rollout_seed,
-            check_spec,
-            isolation_heatmap,
-            isolation_markdown,
-            isolation_matrix,
-            spec_hash,
-        )
-
         name = checked_partition_key(context.partition_key)  # it becomes a path part below
-        target = get_environment(settings.tasks.env)
-        wanted = set(capability_spec.get("example_trajectory_ids", []))
-        failed = [t for t in store.trajectories(split="train") if t["trajectory_id"] in wanted]
-        capability = {k: capability_spec[k] for k in ("name", "description", "failure_modes")}
-        try:
-            spec, rejected = synthesizer.synthesize(capability, target, failed)
-        except LLMError as exc:
-            raise Failure(f"synthetic_env[{name}]: no valid spec; the previous materialization is kept. {exc}") from exc
-        problems = check_spec(spec, target, seeds=2)
-        if problems:
-            raise Failure(f"synthetic_env[{name}]: spec rejected; the previous materialization is kept: {problems[:5]}")
-
-        from trace_assets.agent.model import load_tokenizer
-
-        tokenizer = load_tokenizer(base_agent["path"])
-        backend = models.backend_for(base_agent["path"])
-        context.log.info(f"generation backend: {models.backend_label(backend)}")
-        last: dict[str, Any] = {}
-
-        def rollout_fn(env, tasks, k, temperature):
-            config = RolloutConfig(max_steps=syn.max_steps, max_new_tokens=settings.rollout.max_new_tokens,
-                                   max_context_tokens=settings.rollout.max_context_tokens,
-                                   temperature=temperature,
-                                   seed=calibration_rollout_seed(train_seed, len(last.get("rounds", []))))
-            repeated = [t for t in tasks for _ in range(k)]
-            round_index = len(last.get("rounds", []))
-            context.log.info(f"calibration round {round_index}: {len(repeated)} episodes at T={temperature}, "
-                             f"difficulty {json.dumps(env.spec.get('difficulty', {}))}")
-            rollouts = run_rollouts(env, repeated, backend, tokenizer, config)
-            rewards = [r.result.reward for r in rollouts]
-            context.log.info(f"calibration round {round_index}: mean reward {sum(rewards) / max(len(rewards), 1):.3f}, "
-                             f"success {sum(r.result.success for r in rollouts) / max(len(rollouts), 1):.3f}")
-            last.setdefault("rounds", []).append(len(rollouts))
-            last["rollouts"] = rollouts
-            return [r.result for r in rollouts]
-
-        report = calibrate(spec, target, rollout_fn, seeds=syn.calibration_seeds, k=syn.calibration_k,
-                           temperature=syn.temperature, band=tuple(syn.band), min_informative=syn.min_informative,
-                           max_rounds=syn.max_rounds)
-        final = report.spec
-        digest = spec_hash(final)
-        folder = paths.sub("envs", name)
-        spec_path = folder / f"{digest}.json"
-        if not spec_path.exists():
-            tmp = folder / f".{digest}.json.tmp"
-            tmp.write_text(json.dumps(final, indent=2, sort_keys=True))
-            tmp.replace(spec_path)
-        rollouts = last.get("rollouts", [])
-        iso = isolation_matrix(final, target)
-        rewards = [r.result.reward for r in rollouts]
-        env = SyntheticEnv(final, target)
-        sample = max(rollouts, key=lambda r: r.result.reward, default=None)
-        n_calibration = sum(last.get("rounds", []))
-        value = {
-            "capability": name, "spec_path": str(spec_path), "spec_hash": digest, "env_name": env.name,
-            "calibration": report.to_dict(), "isolation": iso, "rejected_specs": rejected,
-            "calibration_rollouts": n_calibration,
-        }
-        metadata: dict[str, Any] = {
-            "spec_hash": digest, "spec_path": MetadataValue.path(str(spec_path)), "synthesizer": synthesizer.kind,
-            "calibration_rounds": len(report.rounds), "calibrated": report.passed, "calibration_rollouts": n_calibration,
-            "calibration": MetadataValue.md(to_markdown(__import__("polars").DataFrame(
-                [{k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in r.items()} for r in report.rounds]))),
-            "isolation": MetadataValue.json({k: v for k, v in iso.items() if k != "rows"}),
-            "isolation_matrix": MetadataValue.md(isolation_markdown([iso])),
-            "isolation_rows": MetadataValue.json(iso["rows"]), "rejected_specs": MetadataValue.json(rejected),
-        }
-        metadata.update(png_metadata(isolation_heatmap([iso], title=f"E_{name}: success of each agent"), "isolation_heatmap"))
-        if rewards:
-            metadata.update(png_metadata(reward_histogram(rewards, title=f"{name}: last calibration round"), "reward_histogram"))
-        if sample is not None:
-            metadata["sample_episode"] = MetadataValue.md(render_markdown(sample.messages))
-        yield Output(value, data_version=DataVersion(digest), metadata=metadata)
-        passed = report.passed and iso["passed"]
-        reason = f"calibration: {report.reason}; isolation: {iso['reason']}"
+        value, metadata = make_synthetic_env(context, settings, name, train_seed, synthesizer=synthesizer, models=models,
+                                             store=store, capability_spec=capability_spec, base_agent=base_agent)
+        check = value.pop("check")
+        yield Output(value, data_version=DataVersion(value["spec_hash"]), metadata=metadata)
         yield AssetCheckResult(
-            check_name="calibration_and_fidelity", passed=passed,
-            description=reason, metadata={"rounds": MetadataValue.json(report.rounds), "isolation": MetadataValue.json(iso)},
+            check_name="calibration_and_fidelity", passed=check["passed"], description=check["reason"],
+            metadata={"rounds": MetadataValue.json(value["calibration"]["rounds"]),
+                      "isolation": MetadataValue.json(value["isolation"])},
         )
 
     return [synthetic_env]
+
+
+def make_synthetic_env(context: AssetExecutionContext, settings: Settings, name: str, train_seed: int, *,
+                       synthesizer: SynthesizerResource, models: ModelResource, store: TraceStore,
+                       capability_spec: dict, base_agent: dict) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(value, metadata)`` of capability ``name``'s environment: synthesized, checked, calibrated
+    on the base agent with sampling seeds from ``train_seed``, then checked for isolation.
+    ``value["check"]`` is the blocking check's ``{"passed", "reason"}``. The experiment calls it
+    once per training seed."""
+    syn = settings.synthesis
+    from trace_assets.agent.rollout import RolloutConfig, run_rollouts
+    from trace_assets.llm_client import LLMError
+    from trace_assets.synthesize import (
+        SyntheticEnv,
+        calibrate,
+        calibration_rollout_seed,
+        check_spec,
+        isolation_heatmap,
+        isolation_markdown,
+        isolation_matrix,
+        spec_hash,
+    )
+
+    target = get_environment(settings.tasks.env)
+    wanted = set(capability_spec.get("example_trajectory_ids", []))
+    failed = [t for t in store.trajectories(split="train") if t["trajectory_id"] in wanted]
+    capability = {k: capability_spec[k] for k in ("name", "description", "failure_modes")}
+    try:
+        spec, rejected = synthesizer.synthesize(capability, target, failed)
+    except LLMError as exc:
+        raise Failure(f"synthetic_env[{name}]: no valid spec; the previous materialization is kept. {exc}") from exc
+    problems = check_spec(spec, target, seeds=2)
+    if problems:
+        raise Failure(f"synthetic_env[{name}]: spec rejected; the previous materialization is kept: {problems[:5]}")
+
+    from trace_assets.agent.model import load_tokenizer
+
+    tokenizer = load_tokenizer(base_agent["path"])
+    backend = models.backend_for(base_agent["path"])
+    context.log.info(f"generation backend: {models.backend_label(backend)}")
+    last: dict[str, Any] = {}
+
+    def rollout_fn(env, tasks, k, temperature):
+        config = RolloutConfig(max_steps=syn.max_steps, max_new_tokens=settings.rollout.max_new_tokens,
+                               max_context_tokens=settings.rollout.max_context_tokens,
+                               temperature=temperature,
+                               seed=calibration_rollout_seed(train_seed, len(last.get("rounds", []))))
+        repeated = [t for t in tasks for _ in range(k)]
+        round_index = len(last.get("rounds", []))
+        context.log.info(f"calibration round {round_index}: {len(repeated)} episodes at T={temperature}, "
+                         f"difficulty {json.dumps(env.spec.get('difficulty', {}))}")
+        rollouts = run_rollouts(env, repeated, backend, tokenizer, config)
+        rewards = [r.result.reward for r in rollouts]
+        context.log.info(f"calibration round {round_index}: mean reward {sum(rewards) / max(len(rewards), 1):.3f}, "
+                         f"success {sum(r.result.success for r in rollouts) / max(len(rollouts), 1):.3f}")
+        last.setdefault("rounds", []).append(len(rollouts))
+        last["rollouts"] = rollouts
+        return [r.result for r in rollouts]
+
+    report = calibrate(spec, target, rollout_fn, seeds=syn.calibration_seeds, k=syn.calibration_k,
+                       temperature=syn.temperature, band=tuple(syn.band), min_informative=syn.min_informative,
+                       max_rounds=syn.max_rounds)
+    final = report.spec
+    digest = spec_hash(final)
+    folder = paths.sub("envs", name)
+    spec_path = folder / f"{digest}.json"
+    if not spec_path.exists():
+        tmp = folder / f".{digest}.json.tmp"
+        tmp.write_text(json.dumps(final, indent=2, sort_keys=True))
+        tmp.replace(spec_path)
+    rollouts = last.get("rollouts", [])
+    iso = isolation_matrix(final, target)
+    rewards = [r.result.reward for r in rollouts]
+    env = SyntheticEnv(final, target)
+    sample = max(rollouts, key=lambda r: r.result.reward, default=None)
+    n_calibration = sum(last.get("rounds", []))
+    value = {
+        "capability": name, "spec_path": str(spec_path), "spec_hash": digest, "env_name": env.name,
+        "calibration": report.to_dict(), "isolation": iso, "rejected_specs": rejected,
+        "calibration_rollouts": n_calibration,
+    }
+    metadata: dict[str, Any] = {
+        "spec_hash": digest, "spec_path": MetadataValue.path(str(spec_path)), "synthesizer": synthesizer.kind,
+        "calibration_rounds": len(report.rounds), "calibrated": report.passed, "calibration_rollouts": n_calibration,
+        "calibration": MetadataValue.md(to_markdown(__import__("polars").DataFrame(
+            [{k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in r.items()} for r in report.rounds]))),
+        "isolation": MetadataValue.json({k: v for k, v in iso.items() if k != "rows"}),
+        "isolation_matrix": MetadataValue.md(isolation_markdown([iso])),
+        "isolation_rows": MetadataValue.json(iso["rows"]), "rejected_specs": MetadataValue.json(rejected),
+    }
+    metadata.update(png_metadata(isolation_heatmap([iso], title=f"E_{name}: success of each agent"), "isolation_heatmap"))
+    if rewards:
+        metadata.update(png_metadata(reward_histogram(rewards, title=f"{name}: last calibration round"), "reward_histogram"))
+    if sample is not None:
+        metadata["sample_episode"] = MetadataValue.md(render_markdown(sample.messages))
+    passed = report.passed and iso["passed"]
+    value["check"] = {"passed": passed, "reason": f"calibration: {report.reason}; isolation: {iso['reason']}"}
+    return value, metadata
+

@@ -262,6 +262,11 @@ class Settings:
             method=self.selection.method, alpha=self.selection.alpha, max_selected=self.selection.max_selected,
         )
 
+    def for_seed(self, seed: int) -> "Settings":
+        """These settings with training seed ``seed``: ``GRPOConfig.seed`` of every training (GRPO
+        sampling, LoRA initialization, the null control) and calibration's sampling seeds."""
+        return replace(self, train=replace(self.train, overrides={**self.train.overrides, "seed": int(seed)}))
+
     def section_hash(self, name: str) -> str:
         """A short stable hash of one settings section, for ``code_version``."""
         return stable_hash(dataclasses.asdict(getattr(self, name)))

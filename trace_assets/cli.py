@@ -162,6 +162,31 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def cmd_experiment(args: argparse.Namespace) -> int:
+    """``make experiment``: the demo's wave runner on ``experiment_job`` (what is missing or stale)."""
+    _instance_env()
+    from dagster import DagsterInstance
+
+    from sensors import ensure_pools
+    from trace_assets.assets.experiment import EXPERIMENT_JOB
+    from trace_assets.definitions import defs
+    from trace_assets.orchestrate import demo_lock, run_stale
+    from trace_assets.settings import load_settings
+
+    settings = load_settings()
+    console.print(f"experiment: profile {settings.profile!r}, seeds {list(settings.experiment.seeds)}, "
+                  f"{settings.tasks.test_per_family} test tasks per family")
+    start = time.perf_counter()
+    instance = DagsterInstance.get()
+    ensure_pools(instance)
+    with demo_lock(instance, log=_console_log):
+        run_ids, failures = run_stale(defs, instance, EXPERIMENT_JOB, log=_console_log)
+    print_summary(defs, instance, run_ids, time.perf_counter() - start)
+    for failure in failures:
+        console.print(f"[red]failed: {failure}[/]")
+    return 1 if failures else 0
+
+
 def cmd_audit(args: argparse.Namespace) -> int:
     import json
 
@@ -258,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_provision)
     p = sub.add_parser("demo", help="materialize the main job (only what is missing or stale)")
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("experiment", help="materialize the experiment over training seeds (TRACE_PROFILE=experiment)")
+    p.set_defaults(func=cmd_experiment)
     p = sub.add_parser("import", help="validate and import JSONL/Parquet trajectory files")
     p.add_argument("files", nargs="+")
     p.add_argument("--format", choices=("trace", "tau2"), default="trace",

@@ -12,6 +12,7 @@ from resources.mlflow_registry import MlflowRegistry
 from resources.models import ModelResource
 from resources.store import TraceStore
 from trace_assets import paths
+from trace_assets.assets.experiment import EXPERIMENT_JOB, GROUP as EXPERIMENT_GROUP, build_experiment_assets
 from trace_assets.assets.foundation import build_foundation_assets
 from trace_assets.assets.identify import build_identify_assets
 from trace_assets.assets.synthesize import build_synthesize_assets
@@ -27,15 +28,20 @@ def build_definitions(settings: Settings | None = None) -> Definitions:
     everything = [
         *build_foundation_assets(settings), *build_identify_assets(settings),
         *build_synthesize_assets(settings), *build_train_assets(settings), *build_route_assets(settings),
+        *build_experiment_assets(settings),
     ]
     assets = [a for a in everything if not _is_check(a)]
     checks = [a for a in everything if _is_check(a)]
-    main_job = define_asset_job(MAIN_JOB, selection=AssetSelection.all(), description="The whole TRACE loop.")
+    experiment = AssetSelection.groups(EXPERIMENT_GROUP)
+    main_job = define_asset_job(MAIN_JOB, selection=AssetSelection.all() - experiment, description="The whole TRACE loop.")
+    experiment_job = define_asset_job(
+        EXPERIMENT_JOB, selection=experiment.upstream(),
+        description="make experiment: Steps 2-4 per training seed, and the report with intervals over tasks x seeds.")
     from sensors import build_operate_definitions  # the landing sensor, nightly schedule, automation
 
     operate = build_operate_definitions(settings)
     return Definitions(
-        assets=assets, asset_checks=checks, jobs=[main_job, *operate["jobs"]], resources=build_resources(settings),
+        assets=assets, asset_checks=checks, jobs=[main_job, experiment_job, *operate["jobs"]], resources=build_resources(settings),
         sensors=operate["sensors"], schedules=operate["schedules"],
     )
 

@@ -49,7 +49,7 @@ def test_asset_graph_snapshot():
 
 
 def test_the_experiment_has_its_own_job_and_the_demo_never_runs_it():
-    from trace_assets.assets.experiment import EXPERIMENT_JOB
+    from trace_assets.assets.experiment import EXPERIMENT_JOB, EXPERIMENT_SELECTION, EXPERIMENT_TRAINING_JOB
     from trace_assets.definitions import MAIN_JOB, build_definitions
     from trace_assets.orchestrate import job_asset_keys
 
@@ -57,8 +57,10 @@ def test_the_experiment_has_its_own_job_and_the_demo_never_runs_it():
     experiment = {k for k in EXPECTED if k.startswith("experiment_")}
     main = {k.to_user_string() for k in job_asset_keys(defs, MAIN_JOB)}
     assert main == set(EXPECTED) - experiment
-    ran = {k.to_user_string() for k in job_asset_keys(defs, EXPERIMENT_JOB)}
+    ran = {k.to_user_string() for k in job_asset_keys(defs, EXPERIMENT_SELECTION)}
     assert experiment <= ran and not ran & {"grpo_baseline", "router", "router_eval", "synthetic_env", "lora_adapter"}
+    jobs = {k.to_user_string() for name in (EXPERIMENT_JOB, EXPERIMENT_TRAINING_JOB) for k in job_asset_keys(defs, name)}
+    assert jobs == experiment
     graph = defs.resolve_asset_graph()
     seeds = {str(s) for s in TINY.experiment.seeds}
     from dagster import AssetKey

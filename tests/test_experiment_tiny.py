@@ -1,5 +1,5 @@
 """``make experiment``'s code path on the tiny profile, 2 training seeds, end to end on a real Dagster
-instance: the wave runner materializes ``experiment_job``; the report has intervals and a forest
+instance: the wave runner materializes the experiment's assets; the report has intervals and a forest
 plot; a second run recomputes nothing; the demo's Step-4 assets are left alone."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from trace_assets.settings import TINY
 
 @pytest.fixture(scope="module")
 def experiment(tmp_path_factory):
-    from trace_assets.assets.experiment import EXPERIMENT_JOB
+    from trace_assets.assets.experiment import EXPERIMENT_SELECTION
     from trace_assets.definitions import build_definitions
     from trace_assets.orchestrate import run_stale
 
@@ -29,7 +29,7 @@ def experiment(tmp_path_factory):
     settings = dataclasses.replace(TINY, selection=dataclasses.replace(TINY.selection, max_selected=1))
     assert len(settings.experiment.seeds) == 2
     defs = build_definitions(settings)
-    run_ids, failures = run_stale(defs, instance, EXPERIMENT_JOB)
+    run_ids, failures = run_stale(defs, instance, EXPERIMENT_SELECTION)
     yield defs, instance, run_ids, failures, home / "data"
     mp.undo()
 
@@ -72,11 +72,11 @@ def test_each_seed_trains_its_own_adapters(experiment):
 
 
 def test_a_second_run_recomputes_nothing(experiment):
-    from trace_assets.assets.experiment import EXPERIMENT_JOB
+    from trace_assets.assets.experiment import EXPERIMENT_SELECTION
     from trace_assets.orchestrate import run_stale, stale_items
 
     defs, instance, *_ = experiment
-    statuses = stale_items(defs, instance, EXPERIMENT_JOB)
+    statuses = stale_items(defs, instance, EXPERIMENT_SELECTION)
     assert statuses and all(s == StaleStatus.FRESH for s in statuses.values()), \
         {k: s for k, s in statuses.items() if s != StaleStatus.FRESH}
-    assert run_stale(defs, instance, EXPERIMENT_JOB) == ([], [])
+    assert run_stale(defs, instance, EXPERIMENT_SELECTION) == ([], [])

@@ -163,12 +163,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
-    """``make experiment``: the demo's wave runner on ``experiment_job`` (what is missing or stale)."""
+    """``make experiment``: the demo's wave runner on the experiment's assets and what they read
+    (what is missing or stale)."""
     _instance_env()
     from dagster import DagsterInstance
 
     from sensors import ensure_pools
-    from trace_assets.assets.experiment import EXPERIMENT_JOB
+    from trace_assets.assets.experiment import EXPERIMENT_SELECTION
     from trace_assets.definitions import defs
     from trace_assets.orchestrate import demo_lock, run_stale
     from trace_assets.settings import load_settings
@@ -180,7 +181,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     instance = DagsterInstance.get()
     ensure_pools(instance)
     with demo_lock(instance, log=_console_log):
-        run_ids, failures = run_stale(defs, instance, EXPERIMENT_JOB, log=_console_log)
+        run_ids, failures = run_stale(defs, instance, EXPERIMENT_SELECTION, log=_console_log)
     print_summary(defs, instance, run_ids, time.perf_counter() - start)
     for failure in failures:
         console.print(f"[red]failed: {failure}[/]")

@@ -130,15 +130,19 @@ def step_peaks_mb(instance, run_id: str, sampler: RssSampler) -> dict[str, int]:
     return peaks
 
 
-def job_asset_keys(defs, job_name: str) -> set:
-    """The asset keys job ``job_name`` materializes."""
-    return set(defs.resolve_job_def(job_name).asset_layer.selected_asset_keys)
+def job_asset_keys(defs, target) -> set:
+    """The asset keys ``target`` names: a job's name (what it materializes) or an ``AssetSelection``
+    (for assets of several partitionings, which no single Dagster asset job may hold)."""
+    if isinstance(target, str):
+        return set(defs.resolve_job_def(target).asset_layer.selected_asset_keys)
+    return set(target.resolve(defs.resolve_asset_graph()))
 
 
-def stale_items(defs, instance, job_name: str | None = None) -> dict[tuple, object]:
+def stale_items(defs, instance, job_name=None) -> dict[tuple, object]:
     """``{(asset_key, partition_key | None): StaleStatus}`` for every materializable asset
-    (every registered partition of a partitioned one); only the assets of ``job_name`` when given
-    (``trace_main`` leaves the experiment's assets alone, ``experiment_job`` the Step-4 report)."""
+    (every registered partition of a partitioned one); only those of ``job_name`` (a job's name or
+    an ``AssetSelection``, :func:`job_asset_keys`) when given: ``trace_main`` leaves the
+    experiment's assets alone, the experiment the demo's Step 4."""
     graph = defs.resolve_asset_graph()
     status_of = _dagster_private().stale_status_resolver(instance, graph)
     keys = graph.materializable_asset_keys if job_name is None else graph.materializable_asset_keys & job_asset_keys(defs, job_name)
@@ -235,9 +239,11 @@ def blocked_items(graph, items, failed: set[tuple]) -> set[tuple]:
     }
 
 
-def run_stale(defs, instance, job_name: str, *, max_waves: int = 50,
+def run_stale(defs, instance, job_name, *, max_waves: int = 50,
               log: Callable[[str, str], None] = _print_log) -> tuple[list[str], list[str]]:
-    """Materialize the missing/stale assets of job ``job_name`` in waves until they are all fresh.
+    """Materialize the missing/stale assets of ``job_name`` (a job's name, whose job runs them, or an
+    ``AssetSelection``, run through Dagster's implicit asset job, which allows several partitionings)
+    in waves until they are all fresh.
 
     Returns the run ids and a description of every failed run. ``log(kind, message)`` hears of
     each run before it starts and of each failure (``cli`` presents them).
@@ -245,7 +251,7 @@ def run_stale(defs, instance, job_name: str, *, max_waves: int = 50,
     A run that fails (or whose blocking check fails) is reported and not retried in this
     invocation; its partition's siblings and unrelated assets go on.
     """
-    job = defs.resolve_job_def(job_name)
+    job = defs.resolve_job_def(job_name) if isinstance(job_name, str) else defs.resolve_implicit_global_asset_job_def()
     graph = defs.resolve_asset_graph()
     run_ids: list[str] = []
     failures: list[str] = []

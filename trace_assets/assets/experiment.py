@@ -30,6 +30,7 @@ from dagster import (
     AllPartitionMapping,
     AssetExecutionContext,
     AssetIn,
+    AssetSelection,
     DataVersion,
     Failure,
     MetadataValue,
@@ -65,6 +66,11 @@ from trace_assets.settings import Settings
 
 GROUP = "experiment"
 EXPERIMENT_JOB = "experiment_job"
+EXPERIMENT_TRAINING_JOB = "experiment_training_job"
+EXPERIMENT_PER_SEED = ("experiment_baselines", "experiment_eval", "experiment_report")
+EXPERIMENT_PER_CAPABILITY_SEED = ("experiment_env", "experiment_adapter")
+EXPERIMENT_SELECTION = AssetSelection.groups(GROUP).upstream()
+"""What ``make experiment`` materializes (``orchestrate.run_stale``): the experiment and everything it reads."""
 REPORT_VERSION = "experiment-report-v1"
 
 

@@ -48,6 +48,10 @@ def test_the_experiment_runs_every_seed_and_reports_intervals(experiment):
         assert len(row.get("per_seed", [0, 0])) == 2
     assert [(c["a"], c["b"]) for c in report["contrasts"]][:2] == [("trace_routed", "base"), ("trace_routed", "grpo_target")]
     assert systems["grpo_target"]["rollouts"]["mean"] > 0
+    passes = {r["system"]: r for r in report["pass_k"]}  # tiny: pass^2 from 2 sampled episodes per task
+    assert set(passes) == {"base", "trace_routed", "grpo_target"}
+    assert all(r["k"] == 2 and r["trials_per_task"] == 2 and 0.0 <= r["pass_hat_k"] <= r["pass_hat_1"] <= 1.0
+               for r in passes.values())
     markdown = (data / "reports" / "experiment.md").read_text()
     assert "95 % interval" in markdown and "TRACE routed − base" in markdown
     png = (data / "reports" / "experiment_forest.png").read_bytes()

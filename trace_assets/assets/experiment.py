@@ -175,15 +175,16 @@ def build_experiment_assets(settings: Settings) -> list:
                                 **{f"{k}_families": MetadataValue.json(v.get("families")) for k, v in trained.items()}})
 
     @asset(group_name=GROUP, partitions_def=seeds, kinds={"python"},
-           code_version=stable_hash([settings.route.__dict__, settings.rollout.__dict__, generation, "experiment-eval-v1"]),
+           code_version=stable_hash([settings.route.__dict__, settings.rollout.__dict__, generation, exp.pass_k,
+                                     exp.pass_k_trials, exp.pass_k_temperature, "experiment-eval-v1"]),
            ins={"experiment_adapter": AssetIn(partition_mapping=to_seed, metadata=EVERY_TRAINED),
                 "experiment_env": AssetIn(partition_mapping=to_seed, metadata=EVERY_TRAINED)})
     def experiment_eval(context: AssetExecutionContext, models: ModelResource, store: TraceStore, task_splits: dict,
                         base_agent: dict, selected_capabilities: dict, trajectory_splits: dict,
                         experiment_adapter: Any, experiment_env: Any, experiment_baselines: dict) -> Output[dict[str, Any]]:
         """This seed's router, and every system on the held-out test split."""
-        from trace_assets.experiment.report import ABLATION, GRPO
-        from trace_assets.route.evaluation import evaluate_systems
+        from trace_assets.experiment.report import ABLATION, BASE, GRPO, TRACE
+        from trace_assets.route.evaluation import evaluate_systems, sampled_trials
 
         seed = int(context.partition_key)
         seeded = settings.for_seed(seed)
@@ -204,6 +205,13 @@ def build_experiment_assets(settings: Settings) -> list:
                  "per_task": report["per_task"], "rollouts": {k: v for k, v in report["rollouts_spent"].items() if k != "evaluation"},
                  "tokens": tokens, "not_trained": [n for n in selected_capabilities["names"] if n not in trained],
                  "not_routed": router.get("not_routed", {}), "agent_id": report["agent_id"]}
+        if exp.pass_k:  # repeated sampled episodes of base, TRACE routed and GRPO on target
+            n = len(report["task_ids"])
+            value["trials"] = sampled_trials(
+                seeded, models, task_splits=task_splits, base_agent=base_agent,
+                choices={BASE: [None] * n, TRACE: report["routed"] or [None] * n, GRPO: [GRPO] * n},
+                folders={**{k: a["adapter_dir"] for k, a in trained.items()}, GRPO: experiment_baselines[GRPO]["adapter_dir"]},
+                trials=exp.pass_k_trials, temperature=exp.pass_k_temperature, seed=seed, log=context.log.info)
         (paths.sub("reports") / f"experiment_seed{seed}.md").write_text(report["markdown"])
         return Output(value, data_version=DataVersion(stable_hash(value)), metadata={
             "report": MetadataValue.md(report["markdown"]), "systems": MetadataValue.md(to_markdown(report["systems"])),
@@ -264,10 +272,14 @@ def assemble_report(evals: dict[str, dict[str, Any]], settings: Settings) -> tup
     order = head + [x for n in rest for x in (n, f"null:{n}") if x in common]
     order += sorted(n for n in common if n not in order)
     outcomes = {n: [[r >= 1.0 for r in evals[s]["per_task"][n]] for s in seeds] for n in order}
+    # pass^k per (seed, task): its mean over them is the mean over seeds of each seed's pass^k.
+    sampled = [evals[s].get("trials") for s in seeds]
+    trials = ({n: [t for per_seed in sampled for t in per_seed[n]] for n in sampled[0]}
+              if all(sampled) and exp.pass_k else None)
     report = build_report(
         outcomes, seeds=seeds, task_ids=first["task_ids"], families=first["families"],
         rollouts={n: [evals[s]["rollouts"].get(n) for s in seeds] for n in order},
-        tokens={n: [evals[s]["tokens"].get(n) for s in seeds] for n in order},
+        tokens={n: [evals[s]["tokens"].get(n) for s in seeds] for n in order}, trials=trials, pass_k=exp.pass_k or 4,
         samples=exp.bootstrap_samples, bootstrap_seed=exp.bootstrap_seed, notes=notes)
     return report, notes
 

@@ -52,8 +52,8 @@ def build_report(outcomes: Mapping[str, Sequence[Sequence[float | bool]]], *, se
     """The report dict (module docstring). ``outcomes[system]``: seeds x tasks successes, rows in the
     order of ``seeds``, columns in the order of ``task_ids`` (``families`` gives each task's family).
     ``rollouts`` / ``tokens``: per system, what its training spent with each seed (None: not
-    recorded). ``trials``: per system, per task, the successes of repeated sampled episodes, for
-    pass^``pass_k``. ``notes``: lines the report carries verbatim (what was cut, and why)."""
+    recorded). ``trials``: per system, per task (or per (seed, task): pass^k is then the mean over
+    seeds), the successes of repeated sampled episodes, for pass^``pass_k``. ``notes``: lines the report carries verbatim (what was cut, and why)."""
     order = list(outcomes)
     n_seeds = len(seeds)
     if any(len(rows) != n_seeds for rows in outcomes.values()):

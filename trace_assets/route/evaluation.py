@@ -350,5 +350,47 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
             "paired": paired, "nulls": null_table, "fidelity": fidelity_table, "agent_id": base_id, "agent": identity,
             "attribution": attributed, "rollouts_spent": {**spent, "evaluation": eval_rollouts}, "metrics": metrics,
             "markdown": markdown, "pngs": pngs, "task_ids": ids, "families": families,
+            "routed": [d.choice for d in main_decisions],
             "per_task": {("base" if k is None else k): [float(x) for x in v] for k, v in systems.items()},
             "decisions": {k: [d.label for d in v] for k, v in decisions.items()}, "oracle_target": [t or "base" for t in target]}
+
+
+def sampled_trials(settings, models, *, task_splits: dict, base_agent: dict, choices: dict[str, list[str | None]],
+                   folders: dict[str, str], trials: int, temperature: float, seed: int,
+                   log: Callable[[str], None]) -> dict[str, list[list[bool]]]:
+    """Repeated sampled episodes on the test split, for pass^k (``experiment.stats.pass_hat_k``):
+    ``{system: [per test task: [success of each of ``trials`` episodes]]}``.
+
+    ``choices[system]`` names, per test task (in ``task_splits`` order), the adapter the system
+    generates through (None: the base), e.g. the router's choice per task for TRACE routed;
+    ``folders`` maps adapter names to their folders. Episodes sample at ``temperature`` with seeds
+    derived from ``seed``, with the ``[rollout]`` limits."""
+    from dataclasses import replace
+
+    from trace_assets.agent.rollout import derive_seed, run_rollouts
+    from trace_assets.route.compose import AdapterBank
+
+    env = get_environment(settings.tasks.env)
+    tasks = tasks_of(task_splits, "test")
+    if any(len(c) != len(tasks) for c in choices.values()):
+        raise ValueError(f"every system needs one choice per test task ({len(tasks)})")
+    model, tokenizer = models.load(base_agent["path"])
+    used = sorted({c for per_task in choices.values() for c in per_task if c is not None})
+    bank = AdapterBank(model, {name: folders[name] for name in used}) if used else None
+    out: dict[str, list[list[bool]]] = {name: [[] for _ in tasks] for name in choices}
+    for round_index, adapter in enumerate([None, *used]):
+        jobs = [(name, i) for name, per_task in choices.items() for i, c in enumerate(per_task) if c == adapter]
+        if not jobs:
+            continue
+        config = replace(greedy_rollout_config(settings), temperature=temperature, seed=derive_seed(seed, 3_000_000 + round_index))
+        batch = [tasks[i] for _, i in jobs for _ in range(trials)]
+        log(f"pass^k: {len(batch)} sampled episodes through {adapter or 'the base'} at T={temperature}")
+        if bank is None:
+            backend = models.backend_for(base_agent["path"], model, tokenizer)
+            rollouts = run_rollouts(env, batch, backend, tokenizer, config)
+        else:
+            with bank.use(adapter) as active:
+                rollouts = run_rollouts(env, batch, models.peft_backend(base_agent["path"], active, tokenizer), tokenizer, config)
+        for j, (name, i) in enumerate(jobs):
+            out[name][i] = [bool(r.result.success) for r in rollouts[j * trials:(j + 1) * trials]]
+    return out

@@ -81,14 +81,18 @@ def registry_name(seed: int, system: str) -> str:
 
 def split_key(context: AssetExecutionContext) -> tuple[str, int]:
     """``(capability, seed)`` of a ``capability|seed`` partition, the capability checked as a path part."""
-    keys = context.partition_key.keys_by_dimension
+    key = context.partition_key
+    keys = getattr(key, "keys_by_dimension", None) or dict(zip(("capability", "seed"), str(key).split("|")))
     return checked_partition_key(keys["capability"]), int(keys["seed"])
 
 
 def by_capability(context: AssetExecutionContext, name: str, loaded: Any) -> dict[str, Any]:
     """A seed's input ``name`` mapped from its ``capability|seed`` partitions, as ``{capability: value}``."""
-    return {getattr(k, "keys_by_dimension", {}).get("capability", k): v
-            for k, v in by_partition(context, name, loaded).items()}
+    def capability(key: Any) -> str:
+        by_dimension = getattr(key, "keys_by_dimension", None)  # else its string: "<capability>|<seed>"
+        return by_dimension["capability"] if by_dimension else str(key).split("|")[0]
+
+    return {capability(k): v for k, v in by_partition(context, name, loaded).items()}
 
 
 def spent_tokens(adapter: dict[str, Any]) -> int:

@@ -30,7 +30,7 @@ def test_the_estimate_is_the_mean_over_seeds_and_the_interval_is_deterministic_i
     again, _ = paired_bootstrap({"a": rows}, samples=2000, seed=7)
     other, _ = paired_bootstrap({"a": rows}, samples=2000, seed=8)
     assert first == again
-    assert first["a"] != other["a"] and first["a"].estimate == other["a"].estimate
+    assert first["a"].estimate == other["a"].estimate  # the interval may move with the seed, the estimate never
     assert first["a"].estimate == pytest.approx(sum(per_seed_means(rows)) / 3)
     assert first["a"].low < first["a"].estimate < first["a"].high
 

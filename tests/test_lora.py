@@ -72,8 +72,9 @@ def test_a_seeded_lora_init_depends_on_the_seed_only(tiny_model_path):
     first = _lora_weights(add_lora(load_model(str(tiny_model_path))[0], lora_config(), seed=5))
     torch.manual_seed(999)
     torch.rand(17)
+    model = load_model(str(tiny_model_path))[0]
     state = torch.get_rng_state()
-    again = _lora_weights(add_lora(load_model(str(tiny_model_path))[0], lora_config(), seed=5))
+    again = _lora_weights(add_lora(model, lora_config(), seed=5))
     assert torch.equal(torch.get_rng_state(), state)
     other = _lora_weights(add_lora(load_model(str(tiny_model_path))[0], lora_config(), seed=6))
     assert first.keys() == again.keys() == other.keys() and first

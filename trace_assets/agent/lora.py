@@ -29,14 +29,18 @@ def add_lora(model: PreTrainedModel, config: LoraConfig, *, seed: int | None = N
     """Wrap ``model`` with a fresh LoRA adapter; the base weights are frozen.
 
     ``seed``: the adapter's initial weights come from :func:`seeded_lora_init` (a function of
-    ``seed`` and each layer's name only). None keeps PEFT's own initialization, which draws from
-    torch's global RNG, i.e. from whatever ran before in the process.
+    ``seed`` and each layer's name only), and torch's global RNG is left as it was. None keeps
+    PEFT's own initialization, which draws from torch's global RNG, i.e. from whatever ran before
+    in the process.
     """
-    peft_model = get_peft_model(model, config)
+    if seed is None:
+        peft_model = get_peft_model(model, config)
+    else:
+        with torch.random.fork_rng(devices=[]):  # PEFT's own init draws are discarded: leave the RNG as it was
+            peft_model = get_peft_model(model, config)
+        seeded_lora_init(peft_model, seed)
     for name, param in peft_model.named_parameters():
         param.requires_grad = "lora_" in name
-    if seed is not None:
-        seeded_lora_init(peft_model, seed)
     return peft_model
 
 

@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup models demo experiment test ui mlflow serve bench clean-data
+.PHONY: setup models demo experiment readme test ui mlflow serve bench clean-data
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,9 @@ experiment: models
 	TRACE_PROFILE=$(EXPERIMENT_PROFILE) TRACE_DATA_DIR=$(EXPERIMENT_DATA_DIR) \
 		TRACE_DAGSTER_DIR=$(EXPERIMENT_DATA_DIR)/dagster TRACE_MODELS_DIR=$(or $(TRACE_MODELS_DIR),$(TRACE_DATA_DIR)/models) \
 		$(BIN)/trace experiment
+
+readme: setup  # the README's generated sections, from the reports of the last make demo
+	$(BIN)/trace readme
 
 test: models
 	$(BIN)/pytest -q

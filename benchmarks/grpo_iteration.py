@@ -1,8 +1,9 @@
 """Time of one GRPO iteration, split into generation and optimization; bf16 vs fp32 (measured).
 
 One process, so the numbers are comparable on a shared machine: the G x K episodes are generated
-once (``gen``), then the same samples are optimized once with bf16 autocast and once in fp32
-(``opt``; one optimizer step each). The reward is replaced by an alternating 0/1 so that every
+once (``gen``), then the same samples are optimized with bf16 autocast (micro-batches grouped by
+task, ``prefix_micro_batches``, the default), with bf16 sorted by length alone (the previous
+layout), and in fp32 (``opt``; one optimizer step each); the ratios are printed. The reward is replaced by an alternating 0/1 so that every
 sequence has a non-zero advantage and is trained (real rewards often tie inside a group, and tied
 groups are skipped), i.e. this is the worst case for the optimization time.
 
@@ -33,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trace_assets.agent.model import load_model  # noqa: E402
 from trace_assets.envs import get_environment  # noqa: E402
 from trace_assets.synthesize import SyntheticEnv, template_spec  # noqa: E402
-from trace_assets.train.grpo import DEMO, GRPOTrainer  # noqa: E402
+from trace_assets.settings import DEMO_GRPO as DEMO  # noqa: E402
+from trace_assets.train.grpo import GRPOTrainer  # noqa: E402
 
 
 def main() -> None:
@@ -74,8 +76,10 @@ def main() -> None:
             rollouts, samples = trainer.collect(1)
             gen = time.perf_counter() - start
             timings = {}
-            for name, bf16 in (("bf16", True), ("fp32", False)) if not rows else (("bf16", True),):
+            variants = (("bf16", True, True), ("bf16_length_sorted", True, False), ("fp32", False, True))
+            for name, bf16, grouped in variants if not rows else variants[:1]:
                 trainer.bf16 = bf16
+                trainer.config = replace(config, prefix_micro_batches=grouped)
                 start = time.perf_counter()
                 stats = trainer.optimize(samples, 1)
                 timings[name] = time.perf_counter() - start
@@ -92,7 +96,9 @@ def main() -> None:
             "opt_bf16_s": round(timings["bf16"], 2), "opt_bf16_tokens_per_s": round(trained / timings["bf16"], 1),
         }
         if "fp32" in timings:
-            report.update(opt_fp32_s=round(timings["fp32"], 2), fp32_over_bf16=round(timings["fp32"] / timings["bf16"], 2))
+            report.update(opt_fp32_s=round(timings["fp32"], 2), fp32_over_bf16=round(timings["fp32"] / timings["bf16"], 2),
+                          opt_bf16_length_sorted_s=round(timings["bf16_length_sorted"], 2),
+                          length_sorted_over_prefix_grouped=round(timings["bf16_length_sorted"] / timings["bf16"], 2))
         if backend.startswith("vllm"):
             report["adapter_syncs"] = trainer.backend.syncs
         rows.append(report)

@@ -20,6 +20,9 @@ Contracts:
 * ``resolve(capability, alias)`` returns ``(version, local adapter folder)``; for the default
   local store that is the artifact folder itself (nothing is copied).
 * Metrics per iteration use the iteration as the MLflow step.
+* Each ``synthetic_env`` materialization gets its own run (``log_environment``, tag
+  ``trace.kind = synthetic_env``): the isolation matrix as a table, a heatmap PNG and JSON, the
+  calibration rounds, the calibrated EnvSpec, and the blocking check's verdicts as metrics.
 """
 
 from __future__ import annotations
@@ -254,11 +257,51 @@ class MlflowRegistry(ConfigurableResource):
         for key, value in metrics.items():
             client.log_metric(run_id, key, float(value))
         client.log_text(run_id, markdown, "report.md")
+        for name, png in pngs.items():
+            self.log_png(run_id, png, f"{name}.png")
+        client.set_terminated(run_id, "FINISHED")
+        return run_id
+
+    def log_png(self, run_id: str, png: bytes, artifact_file: str) -> None:
+        """A PNG (bytes) as an image artifact of ``run_id``."""
         from PIL import Image
 
-        for name, png in pngs.items():
-            client.log_image(run_id, Image.open(io.BytesIO(png)).convert("RGB"), artifact_file=f"{name}.png")
-        client.set_terminated(run_id, "FINISHED")
+        self.client().log_image(run_id, Image.open(io.BytesIO(png)).convert("RGB"), artifact_file=artifact_file)
+
+    def log_environment(self, capability: str, *, spec: Mapping[str, Any], isolation: Mapping[str, Any],
+                        calibration: Mapping[str, Any], isolation_table: str, isolation_png: bytes,
+                        lineage: Mapping[str, Any] | None = None) -> str:
+        """One run per ``synthetic_env`` materialization (run name ``synthetic-env-<capability>``,
+        tag ``trace.kind = synthetic_env`` and the lineage tags); returns its run id.
+
+        Artifacts: ``isolation_matrix.md`` (the table), ``isolation_heatmap.png``, ``isolation.json``
+        (every row), ``calibration.json`` (every round) and ``envspec.json`` (the calibrated spec).
+        Metrics at step 0: ``isolation_passed``, ``calibration_passed``, ``check_passed`` (the
+        blocking check: both), and per agent of the matrix ``isolation.success.<agent>`` and
+        ``isolation.mean_reward.<agent>``."""
+        import json
+
+        tags = {**lineage_tags({**(lineage or {}), "capability": capability}), "trace.kind": "synthetic_env"}
+        client = self.client()
+        run_id = client.create_run(self.experiment_id(), run_name=f"synthetic-env-{capability}", tags=tags).info.run_id
+        try:
+            passed = {"isolation_passed": bool(isolation["passed"]), "calibration_passed": bool(calibration["passed"])}
+            metrics = {**{k: float(v) for k, v in passed.items()}, "check_passed": float(all(passed.values()))}
+            for row in isolation["rows"]:
+                metrics[f"isolation.success.{row['agent']}"] = row["success"]
+                metrics[f"isolation.mean_reward.{row['agent']}"] = row["mean_reward"]
+            self.log_metrics(run_id, metrics, step=0)
+            self.log_params(run_id, {"isolation_method": isolation.get("method", ""), "calibration_reason":
+                                     calibration.get("reason", ""), "isolation_reason": isolation.get("reason", "")})
+            client.log_text(run_id, isolation_table + "\n", "isolation_matrix.md")
+            self.log_png(run_id, isolation_png, "isolation_heatmap.png")
+            client.log_dict(run_id, dict(isolation), "isolation.json")
+            client.log_dict(run_id, json.loads(json.dumps(calibration, default=str)), "calibration.json")
+            client.log_dict(run_id, dict(spec), "envspec.json")
+        except BaseException:
+            self.end_run(run_id, "FAILED")
+            raise
+        self.end_run(run_id)
         return run_id
 
     # ---- the whole thing ------------------------------------------------------------------

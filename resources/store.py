@@ -27,6 +27,7 @@ from dagster import ConfigurableResource
 from pydantic import Field
 
 from trace_assets import paths
+from trace_assets.identify.stats import run_stats_sql
 
 PIPELINE_SOURCE = "base_rollout"
 """``source`` of the base agent's rollouts that ``base_trajectories`` stores (imports name their file)."""
@@ -151,12 +152,8 @@ class TraceStore(ConfigurableResource):
     def _write_parquet(self, conn: duckdb.DuckDBPyConnection, batch_name: str) -> None:
         for (env,) in conn.execute("SELECT DISTINCT env FROM new_rows").fetchall():
             folder = paths.sub("trajectories", env)
-            final = folder / f"{batch_name}.parquet"
-            tmp = folder / f".{batch_name}.parquet.tmp"
-            conn.execute(
-                f"COPY (SELECT * FROM new_rows WHERE env = ?) TO '{tmp}' (FORMAT parquet)", [env]
-            )
-            tmp.replace(final)
+            with paths.atomic_path(folder / f"{batch_name}.parquet") as tmp:
+                conn.execute(f"COPY (SELECT * FROM new_rows WHERE env = ?) TO '{tmp}' (FORMAT parquet)", [env])
 
     def insert_labels(self, rows: Sequence[tuple], *, analyst: str, version: str) -> int:
         """Insert ``(trajectory_id, capability, run, label, rationale)`` rows; return how many were
@@ -194,6 +191,34 @@ class TraceStore(ConfigurableResource):
             "SELECT trajectory_id, capability, run FROM labels WHERE dictionary_version = ?", [version]
         )
         return set(frame.iter_rows())
+
+    def label_summary(self, version: str, ids: Sequence[str]) -> dict[str, Any]:
+        """The labels of dictionary ``version`` on the trajectories ``ids``: ``n`` (how many),
+        ``hash`` (md5 over every trajectory, capability, run and label, in key order: what the
+        label matrix holds) and ``counts`` (a frame: one row per capability, a column per label)."""
+        with self.connect() as conn:
+            [(n, digest)] = conn.execute(
+                "SELECT count(*), md5(string_agg(trajectory_id || capability || run || label, ',' "
+                "ORDER BY trajectory_id, capability, run)) FROM labels WHERE dictionary_version = ? "
+                "AND trajectory_id IN (SELECT unnest(?::VARCHAR[]))", [version, list(ids)],
+            ).fetchall()
+            counts = conn.sql(
+                "SELECT capability, label, count(*) AS n FROM labels WHERE dictionary_version = ? "
+                "AND trajectory_id IN (SELECT unnest(?::VARCHAR[])) GROUP BY ALL ORDER BY ALL", params=[version, list(ids)],
+            ).pl()
+        return {"n": n, "hash": digest, "counts": counts.pivot(on="label", index="capability", values="n").fill_null(0)}
+
+    def capability_run_stats(self, version: str, outcomes: pl.DataFrame) -> pl.DataFrame:
+        """``identify.stats.run_stats_sql`` over the labels of dictionary ``version`` against
+        ``outcomes`` (``trajectory_id``, ``success``: the current D+ and D-), also kept in the table
+        ``capability_run_stats`` (replaced each time)."""
+        with self.connect() as conn:
+            conn.register("outcomes", outcomes.to_arrow())
+            runs = run_stats_sql(conn, version)
+            conn.register("runs", runs.to_arrow())
+            conn.execute("CREATE OR REPLACE TABLE capability_run_stats AS SELECT ?::VARCHAR AS dictionary_version, * "
+                         "FROM runs", [version])
+        return runs
 
     def trajectories_by_id(self, ids: Sequence[str]) -> list[dict[str, Any]]:
         """The stored records among ``ids`` (decoded like ``trajectories``)."""

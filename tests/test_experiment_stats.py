@@ -8,13 +8,11 @@ import random
 import pytest
 
 from trace_assets.experiment.report import (
-    README_BEGIN,
-    README_END,
+    README_SECTION,
     build_report,
     forest_png,
     readme_section,
     report_markdown,
-    splice_readme,
 )
 from trace_assets.experiment.stats import Interval, paired_bootstrap, pass_hat_k, per_seed_means
 
@@ -130,16 +128,17 @@ def test_the_report_carries_intervals_contrasts_and_what_was_spent():
 
 
 def test_the_readme_section_is_generated_and_spliced_between_its_markers():
+    from trace_assets.reports import ReadmeSectionError, splice
+
     report = _report()
     section = readme_section(report)
-    assert section.startswith(README_BEGIN) and section.endswith(README_END)
+    assert section.startswith("## Experiment results") and "<!--" not in section
     trace_vs_base = report["contrasts"][0]
     assert f"{100 * trace_vs_base['estimate']:+.1f} points" in section
-    readme = "# Title\n\nintro\n\n" + README_BEGIN + "\nold numbers\n" + README_END + "\n\n## After\n"
-    spliced = splice_readme(readme, section)
+    begin, end = f"<!-- {README_SECTION}:begin -->", f"<!-- {README_SECTION}:end -->"
+    readme = "# Title\n\nintro\n\n" + begin + "\nold numbers\n" + end + "\n\n## After\n"
+    spliced = splice(readme, README_SECTION, section)
     assert "old numbers" not in spliced and section in spliced and spliced.endswith("## After\n")
-    assert splice_readme(spliced, section) == spliced  # idempotent
-    appended = splice_readme("# Title\n", section)
-    assert appended.endswith(section + "\n")
-    with pytest.raises(ValueError, match="markers"):
-        splice_readme("# T\n" + README_END + "\n" + README_BEGIN, section)
+    assert splice(spliced, README_SECTION, section) == spliced  # idempotent
+    with pytest.raises(ReadmeSectionError, match="experiment:begin"):
+        splice("# T\n" + end + "\n" + begin, README_SECTION, section)

@@ -82,7 +82,7 @@ def test_no_synthetic_task_shares_a_database_or_an_id_with_a_test_task():
     from trace_assets.assets.route import ROUTER_VALIDATION_SHIFT
     from trace_assets.identify.heuristic import RULES
     from trace_assets.synthesize import CALIBRATION_OFFSET, SyntheticEnv, template_spec
-    from trace_assets.train.grpo import PAPER
+    from trace_assets.train.config import GRPOConfig
     from trace_assets.train.heldout import HELD_OUT_OFFSET
 
     splits = _splits("experiment")
@@ -90,7 +90,7 @@ def test_no_synthetic_task_shares_a_database_or_an_id_with_a_test_task():
     route = PROFILES["experiment"].route
     name = "confirm_before_writing"
     env = SyntheticEnv(template_spec({"name": name, "description": RULES[name].description, "failure_modes": []}, ENV), ENV)
-    offsets = {"grpo": PAPER.seed_offset, "calibration": CALIBRATION_OFFSET, "index": route.index_offset,
+    offsets = {"grpo": GRPOConfig().seed_offset, "calibration": CALIBRATION_OFFSET, "index": route.index_offset,
                "router validation": route.index_offset + ROUTER_VALIDATION_SHIFT, "held-out": HELD_OUT_OFFSET}
     for what, offset in offsets.items():
         for task in env.sample_tasks(3, offset=offset):

@@ -93,7 +93,10 @@ def test_grpo_initializes_its_adapter_from_the_training_seed(tiny_model_path, tm
 
     from trace_assets.agent.model import load_model as load
     from trace_assets.envs import get_environment
-    from trace_assets.train.grpo import LORA_INIT, TINY, GRPOTrainer
+    from trace_assets.settings import TINY as TINY_SETTINGS
+    from trace_assets.train.grpo import LORA_INIT, GRPOTrainer
+
+    TINY = TINY_SETTINGS.train.grpo
 
     env = get_environment("retail")
     model, tokenizer = load(str(tiny_model_path))

@@ -81,6 +81,33 @@ def test_every_step_records_its_peak_rss(pipeline, capsys):
     assert "peak RSS" in out and f"{seen['router_eval'] / 1024:.1f}" in out, out
 
 
+def test_demo_report_generates_the_readme_section(pipeline, tmp_path):
+    """`trace demo` writes reports/demo.md from the instance; `trace readme` splices it into the
+    README between the markers, and `--check` then finds the README current."""
+    from trace_assets import paths, reports
+    from trace_assets.cli import main
+
+    defs, instance, runs = pipeline
+    report = reports.demo_markdown(defs, instance, runs, 125.0)
+    names = instance.get_dynamic_partitions("capability")
+    for name in names:  # each partition has its own row, with its step's wall time
+        row = next(line for line in report.splitlines() if line.startswith(f"| lora_adapter[{name}] |"))
+        assert " s |" in row and "fresh" not in row, row
+    assert "### Adapters on held-out synthetic seeds" in report and "## TRACE results" in report
+    reports.write_report(reports.DEMO_REPORT, report)
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- demo:begin -->\nold figures\n<!-- demo:end -->\nafter\n")
+    assert main(["readme", "--readme", str(readme), "--check"]) == 1  # stale: nothing written
+    assert "old figures" in readme.read_text()
+    assert main(["readme", "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert "old figures" not in text and text.startswith("intro\n") and text.endswith("after\n")
+    assert "| **full loop** | **2 min 05 s** |" in text and "### TRACE results" in text
+    assert "### Routing confusion" not in text  # the long tables stay in the report
+    assert main(["readme", "--readme", str(readme), "--check"]) == 0
+    assert (paths.sub("reports") / reports.DEMO_REPORT).exists()
+
+
 def test_labels_are_complete_and_checks_ran(pipeline):
     defs, instance, _ = pipeline
     store = defs.resources["store"]

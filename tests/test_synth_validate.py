@@ -253,7 +253,7 @@ def test_calibration_plays_tasks_apart_from_grpos_and_seeds_its_sampling_from_th
     """Calibration never tunes the difficulty on the tasks GRPO then trains on first (it once did:
     both started at seed offset 0), and its sampling seeds follow the training seed."""
     from trace_assets.synthesize import CALIBRATION_OFFSET, calibration_rollout_seed
-    from trace_assets.train.grpo import PAPER
+    from trace_assets.train.config import GRPOConfig
     from trace_assets.train.heldout import HELD_OUT_OFFSET
 
     played = []
@@ -262,6 +262,7 @@ def test_calibration_plays_tasks_apart_from_grpos_and_seeds_its_sampling_from_th
         played.extend(t.seed for t in tasks)
         return scripted_rollouts(env, tasks, k, temperature)
 
+    PAPER = GRPOConfig()  # the paper's recipe: the most training tasks
     spec = hard_spec()
     report = calibrate(spec, ENV, recording, seeds=32, k=4)
     env = SyntheticEnv(spec, ENV)

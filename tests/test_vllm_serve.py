@@ -36,6 +36,7 @@ def test_serve_command_uses_hermes_and_one_lora_module_per_adapter() -> None:
     assert cmd[cmd.index("--tool-call-parser") + 1] == "hermes" and "--enable-auto-tool-choice" in cmd
     modules = cmd[cmd.index("--lora-modules") + 1 :]
     assert modules == ["a_cap=/a/a", "b_cap=/a/b"] and "--enable-lora" in cmd and "--enforce-eager" in cmd
+    assert "--return-tokens-as-token-ids" in cmd  # the fidelity probe reads token ids, not text
     assert "--enable-lora" not in serve_command("/m/base", {}, host="h", port=1, eager=False)
     bf16 = serve_command("/m/base", {}, host="h", port=1, eager=False, dtype="bfloat16")
     assert bf16[bf16.index("--dtype") + 1] == "bfloat16" and cmd[cmd.index("--dtype") + 1] == "float32"
@@ -81,25 +82,40 @@ class _Server:
 
 
 @pytest.mark.timeout(600)
-def test_trace_serve_answers_chat_for_the_base_and_a_registered_adapter(tmp_path: Path, tiny_model_path: Path) -> None:
-    from peft import LoraConfig, get_peft_model
-
+def test_trace_serve_answers_chat_and_serves_the_adapter_exactly(tmp_path: Path, tiny_model_path: Path, tokenizer) -> None:
+    """One server for two contracts: chat answers for the base and a registered adapter; and the
+    served adapter's effect on log-probs equals PEFT fp32's (a realistic small-norm adapter,
+    measured on the server's own greedy completions), while the served base in its place fails."""
     from resources.mlflow_registry import MlflowRegistry
+    from trace_assets.agent import fidelity
+    from trace_assets.agent.backends import ServedBackend
     from trace_assets.agent.model import load_model
+    from trace_assets.envs import get_environment
+    from trace_assets.envs.retail.expert import demonstrate
 
+    env = get_environment("retail")
+    tasks = [env.make_task(family, 40 + i) for i, family in enumerate(env.families()[:2])]
+    probe = fidelity.make_probe(tokenizer, [demonstrate(env, t)[0] for t in tasks], env.tool_schemas(), max_tokens=300)
+    peft = fidelity.small_norm_adapter(load_model(str(tiny_model_path))[0], probe, steps=4, lr=1e-4)
     os.environ["TRACE_DATA_DIR"] = str(tmp_path)
     try:
         adapter = tmp_path / "adapter"
-        get_peft_model(load_model(str(tiny_model_path))[0], LoraConfig(r=8, target_modules=["q_proj", "v_proj"])).save_pretrained(adapter)
+        peft.save_pretrained(adapter)
         MlflowRegistry().log_training("ground_arguments", adapter_dir=adapter, params={}, history=[])
     finally:
         del os.environ["TRACE_DATA_DIR"]
-    with _Server(tmp_path, "--model", str(tiny_model_path)) as server:
+    with _Server(tmp_path, "--model", str(tiny_model_path), "--dtype", "float32") as server:
         assert {"trace-base", "ground_arguments"} <= server.models
         for model in ("trace-base", "ground_arguments"):
             client = ChatClient(base_url=server.base_url, model=model, timeout_s=120)
             text = client.chat([{"role": "user", "content": "Which order is pending?"}], max_tokens=8, seed=0)
             assert isinstance(text, str) and client.calls == 1
+        served = ServedBackend(ChatClient(base_url=server.base_url, model="ground_arguments", timeout_s=120), tokenizer)
+        report = fidelity.check_backend("trace serve", peft, served, probe)
+        assert report.n_tokens >= 40 and report.mean_abs_shift_ref > 1e-4, report.line()
+        assert report.passed(fidelity.FidelityTolerance(min_correlation=0.99, max_rel_rms_error=0.15)), report.line()
+        stale = ServedBackend(ChatClient(base_url=server.base_url, model="trace-base", timeout_s=120), tokenizer)
+        assert not fidelity.check_backend("trace serve, base in the adapter's place", peft, stale, probe).passed()
 
 
 @pytest.mark.slow

@@ -72,3 +72,51 @@ def test_loss_and_gradients_match_the_full_logits_reference(setup, micro, checkp
         scale = float(ref.abs().max())
         assert scale > 0, name
         assert float((grads[name] - ref).abs().max()) <= 1e-4 * scale, name
+
+
+def _summary(caplog) -> str:
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("expert demos:")]
+    return line
+
+
+def test_unconfirmed_demos_that_fail_are_counted_not_warned(caplog):
+    """Demos made without confirmation on purpose fail the target reward (a write counts only
+    after a confirmation): one summary line counts them, and no warning is raised for them."""
+    import logging
+
+    env = get_environment("retail")
+    tasks = make_splits(env, demo_per_family=1, train_per_family=0, test_per_family=0, seed=0)["demo"]
+    with caplog.at_level(logging.INFO, logger="trace_assets.agent.warmstart"):
+        demonstrations(env, tasks, confirm_rate=0.0, seed=0)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    line = _summary(caplog)
+    assert f"expert demos: {len(tasks)}; {len(tasks)} made without confirmation" in line
+    assert "; 0 failed although confirmed" in line
+    failing = int(line.split("), ")[1].split(" of which")[0])
+    assert 0 < failing <= len(tasks)  # write families fail unconfirmed; read-only ones do not
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="trace_assets.agent.warmstart"):
+        demonstrations(env, tasks, confirm_rate=1.0, seed=0)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # the confirmed expert succeeds
+    assert "; 0 made without confirmation" in _summary(caplog)
+
+
+def test_a_confirmed_demo_that_fails_is_warned(caplog):
+    import logging
+
+    from trace_assets.envs.base import EpisodeResult
+
+    env = get_environment("retail")
+    tasks = make_splits(env, demo_per_family=1, train_per_family=0, test_per_family=0, seed=0)["demo"][:2]
+
+    class Broken:
+        def demonstrate(self, task, confirm):
+            return [], EpisodeResult(reward=0.0, success=False, info={})
+
+    with caplog.at_level(logging.INFO, logger="trace_assets.agent.warmstart"):
+        demos = demonstrations(Broken(), tasks, confirm_rate=1.0, seed=0)
+    assert len(demos) == 2  # kept anyway
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and all("failed although it asked for confirmation" in w for w in warnings)
+    assert "; 2 failed although confirmed" in _summary(caplog)

@@ -66,50 +66,25 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def print_summary(defs, instance, run_ids: list[str], wall_s: float) -> None:
-    """The closing table: each asset's latest materialization, its step's wall time and peak RSS
-    (``orchestrate.PEAK_RSS_TAG``, sampled over the demo's process tree), and its key figures."""
-    import json
+def print_summary(defs, instance, run_ids: list[str], wall_s: float, host: dict | None = None) -> None:
+    """The closing table (each asset's latest materialization per partition, its step's wall time
+    and peak RSS, its key figures), then ``reports/demo.md``, from which ``trace readme`` generates
+    the README's demo section."""
     import resource
 
-    from dagster import DagsterEventType, EventRecordsFilter
+    from dagster import AssetKey
 
-    from trace_assets.orchestrate import PEAK_RSS_TAG
+    from trace_assets import reports
 
     table = Table(title="TRACE demo: asset materializations")
     table.add_column("asset")
     table.add_column("wall time (s)", justify="right")
     table.add_column("peak RSS (GB)", justify="right")
     table.add_column("key figures")
-    for key in defs.resolve_asset_graph().toposorted_asset_keys:
-        event = instance.get_latest_materialization_event(key)
-        if event is None:
-            continue
-        mat = event.asset_materialization
-        md = mat.metadata
-        figures = ", ".join(
-            f"{k}={v.value}" for k, v in md.items()
-            if k in ("n_train", "n_test", "demos", "train_time_s", "episodes", "n_d_plus", "n_d_minus", "generated_tokens",
-                     "generation_backend")
-        )
-        duration = ""
-        if event.run_id in run_ids:
-            records = instance.get_event_records(
-                EventRecordsFilter(event_type=DagsterEventType.STEP_SUCCESS), limit=200
-            )
-            for rec in records:
-                entry = rec.event_log_entry
-                if entry.run_id == event.run_id and entry.step_key == key.to_python_identifier():
-                    duration = f"{entry.dagster_event.event_specific_data.duration_ms / 1000:.1f}"
-        else:
-            duration = "fresh"
-        run = instance.get_run_by_id(event.run_id)
-        peaks = json.loads(run.tags.get(PEAK_RSS_TAG, "{}")) if run else {}
-        peak = peaks.get(key.to_python_identifier())
-        table.add_row(key.to_user_string(), duration, "" if peak is None else f"{peak / 1024:.1f}", figures)
+    for row in reports.step_rows(defs, instance, run_ids):
+        table.add_row(row.asset, "fresh" if row.wall_s is None else f"{row.wall_s:.1f}",
+                      "" if row.peak_rss_gb is None else f"{row.peak_rss_gb:.1f}", row.figures)
     console.print(table)
-    from dagster import AssetKey
-
     for key_name, entry, title in (
         ("base_trajectories", "success_by_family", "base agent: success by family (train and test)"),
         ("selected_capabilities", "selection", "Step 1: capabilities, Δ, Cov and the selection (C*)"),
@@ -124,7 +99,47 @@ def print_summary(defs, instance, run_ids: list[str], wall_s: float) -> None:
     gb = 2**30 if sys.platform == "darwin" else 2**20  # ru_maxrss: bytes on macOS, KB on Linux
     own, children = (resource.getrusage(who).ru_maxrss / gb for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     console.print(f"peak RSS: this process {own:.1f} GB, its largest child process {children:.1f} GB (ru_maxrss)")
+    if run_ids:  # a run that recomputed nothing keeps the report of the run that measured it
+        out = reports.write_report(reports.DEMO_REPORT, reports.demo_markdown(defs, instance, run_ids, wall_s, host=host))
+        console.print(f"report: {out} (`trace readme` puts it into README.md)")
     console.print(f"Open the same instance in the UI with [bold]make ui[/] (DAGSTER_HOME={os.environ.get('DAGSTER_HOME', 'unset')}).")
+
+
+def cmd_readme(args: argparse.Namespace) -> int:
+    """Regenerate the README's generated sections from the reports under the data folder."""
+    from trace_assets import reports
+
+    import json
+
+    from trace_assets.experiment import report as experiment_report
+
+    folder = paths.sub("reports")
+    report = folder / reports.DEMO_REPORT
+    if not report.exists():
+        console.print(f"[red]{report}: no demo report yet; run `make demo` first[/]")
+        return 2
+    readme = Path(args.readme)
+    sections = {reports.DEMO_SECTION: reports.readme_section(report.read_text())}
+    sources = [report]
+    experiment = folder / "experiment.json"  # `make experiment`'s, when it has run
+    if experiment.exists():
+        figure = Path("docs") / "experiment_forest.png"
+        sections[experiment_report.README_SECTION] = experiment_report.readme_section(
+            json.loads(experiment.read_text()), figure=figure.as_posix())
+        sources.append(experiment)
+        if not args.check:
+            paths.atomic_write(readme.parent / figure, (folder / "experiment_forest.png").read_bytes())
+    try:
+        changed = reports.update_readme(readme, sections, write=not args.check)
+    except reports.ReadmeSectionError as exc:
+        console.print(f"[red]{exc}[/]")
+        return 2
+    named = " and ".join(map(str, sources))
+    if args.check:
+        console.print(f"{readme}: {'differs from' if changed else 'matches'} {named}")
+        return 1 if changed else 0
+    console.print(f"{readme}: {'updated' if changed else 'already current'} from {named}")
+    return 0
 
 
 def _console_log(kind: str, message: str) -> None:
@@ -151,12 +166,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     console.print(f"generation backend: [bold]{choose_backend(wanted)}[/] (\\[generation] backend = {wanted!r}; "
                   "vLLM is the faster one on this machine, see benchmarks/rollout_throughput.py; "
                   "a step falls back to transformers if its vLLM engine cannot start, and logs it)")
+    from trace_assets.reports import machine
+
+    host = machine()  # the commit the run starts from, whatever the checkout does meanwhile
     start = time.perf_counter()
     instance = DagsterInstance.get()
     ensure_pools(instance)  # pool "train" = 1: two trainings never fight for the cores
     with demo_lock(instance, log=_console_log):
         run_ids, failures = run_stale(defs, instance, MAIN_JOB, log=_console_log)
-    print_summary(defs, instance, run_ids, time.perf_counter() - start)
+    print_summary(defs, instance, run_ids, time.perf_counter() - start, host)
     for failure in failures:
         console.print(f"[red]failed: {failure}[/]")
     return 1 if failures else 0
@@ -211,18 +229,24 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0 if not report["problems"] else 1
 
 
-def served_base_model() -> str:
-    """The folder the adapters were trained on: the latest ``base_agent`` materialization's path,
-    else the provisioned demo model."""
+def materialized_base_agent() -> str | None:
+    """The latest ``base_agent`` materialization's model folder in the Dagster instance
+    (``DAGSTER_HOME``), or None when it has none."""
     from dagster import AssetKey, DagsterInstance
-
-    from trace_assets.agent.model import resolve_model
 
     event = DagsterInstance.get().get_latest_materialization_event(AssetKey("base_agent"))
     materialization = event.asset_materialization if event else None
     if materialization and "model_path" in materialization.metadata:
         return str(materialization.metadata["model_path"].value)
-    return resolve_model("demo")
+    return None
+
+
+def served_base_model() -> str:
+    """The folder the adapters were trained on: the latest ``base_agent`` materialization's path,
+    else the provisioned demo model."""
+    from trace_assets.agent.model import resolve_model
+
+    return materialized_base_agent() or resolve_model("demo")
 
 
 def serve_command(base: str, adapters: dict[str, str], *, host: str, port: int, eager: bool,
@@ -235,7 +259,8 @@ def serve_command(base: str, adapters: dict[str, str], *, host: str, port: int, 
     """
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", base, "--served-model-name", "trace-base",
            "--host", host, "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
-           "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-prefix-caching"]
+           "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-prefix-caching",
+           "--return-tokens-as-token-ids"]  # log-probs name token ids: fidelity probes need no re-tokenizing
     if eager:
         cmd.append("--enforce-eager")
     if adapters:
@@ -286,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("experiment", help="materialize the experiment over training seeds (TRACE_PROFILE=experiment)")
     p.set_defaults(func=cmd_experiment)
+    p = sub.add_parser("readme", help="regenerate the README's generated sections from reports/ in the data folder")
+    p.add_argument("--readme", default=str(paths.REPO_ROOT / "README.md"))
+    p.add_argument("--check", action="store_true", help="exit 1 if the README differs from the reports; write nothing")
+    p.set_defaults(func=cmd_readme)
     p = sub.add_parser("import", help="validate and import JSONL/Parquet trajectory files")
     p.add_argument("files", nargs="+")
     p.add_argument("--format", choices=("trace", "tau2"), default="trace",

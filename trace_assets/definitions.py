@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from dagster import AssetSelection, Definitions, FilesystemIOManager, define_asset_job
+from dagster import AssetSelection, Definitions, FilesystemIOManager, define_asset_job, failure_hook, success_hook
 
 from resources.llm import AnalystResource, SynthesizerResource
 from resources.mlflow_registry import MlflowRegistry
@@ -41,14 +41,16 @@ def build_definitions(settings: Settings | None = None) -> Definitions:
     assets = [a for a in everything if not _is_check(a)]
     checks = [a for a in everything if _is_check(a)]
     experiment = AssetSelection.groups(EXPERIMENT_GROUP)
-    main_job = define_asset_job(MAIN_JOB, selection=AssetSelection.all() - experiment, description="The whole TRACE loop.")
+    release = {_release_after_success, _release_after_failure}
+    main_job = define_asset_job(MAIN_JOB, selection=AssetSelection.all() - experiment, description="The whole TRACE loop.",
+                                hooks=release)
     # A Dagster asset job holds one partitioning: per seed (+ the report), and per (capability, seed).
     # `make experiment` runs both, and what they need, through the wave runner (EXPERIMENT_SELECTION).
     experiment_job = define_asset_job(
-        EXPERIMENT_JOB, selection=AssetSelection.assets(*EXPERIMENT_PER_SEED),
+        EXPERIMENT_JOB, selection=AssetSelection.assets(*EXPERIMENT_PER_SEED), hooks=release,
         description="make experiment, per seed: the baselines, the evaluation of every system, and the report.")
     training_job = define_asset_job(
-        EXPERIMENT_TRAINING_JOB, selection=AssetSelection.assets(*EXPERIMENT_PER_CAPABILITY_SEED),
+        EXPERIMENT_TRAINING_JOB, selection=AssetSelection.assets(*EXPERIMENT_PER_CAPABILITY_SEED), hooks=release,
         description="make experiment, per (capability, seed): the calibrated environment and the adapter.")
     from sensors import build_operate_definitions  # the landing sensor, nightly schedule, automation
 
@@ -57,6 +59,21 @@ def build_definitions(settings: Settings | None = None) -> Definitions:
         assets=assets, asset_checks=checks, jobs=[main_job, experiment_job, training_job, *operate["jobs"]], resources=build_resources(settings),
         sensors=operate["sensors"], schedules=operate["schedules"],
     )
+
+
+@success_hook
+def _release_after_success(context) -> None:
+    """A step's freed memory goes back to the OS before the next step of an in-process run."""
+    from trace_assets.orchestrate import release_memory
+
+    release_memory()
+
+
+@failure_hook
+def _release_after_failure(context) -> None:
+    from trace_assets.orchestrate import release_memory
+
+    release_memory()
 
 
 def build_resources(settings: Settings) -> dict:

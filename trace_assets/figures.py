@@ -79,7 +79,7 @@ def png_metadata(png: bytes, name: str) -> dict[str, Any]:
     from trace_assets import paths
 
     path = paths.sub("reports") / f"{name}_{hashlib.sha256(png).hexdigest()[:10]}.png"
-    path.write_bytes(png)
+    paths.atomic_write(path, png)  # content-named: two runs may write the same one at once
     encoded = base64.b64encode(png).decode()
     return {
         f"{name}_png": MetadataValue.path(str(path)),

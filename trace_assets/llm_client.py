@@ -43,9 +43,38 @@ class ChatClient:
         body: dict[str, Any] = {"model": self.model, "messages": messages, "temperature": temperature, "max_tokens": max_tokens}
         if seed is not None:
             body["seed"] = seed
+        payload = self._post("/chat/completions", body)
+        try:
+            return payload["choices"][0]["message"]["content"] or ""
+        except (KeyError, IndexError, TypeError) as exc:
+            raise LLMError(f"{self.base_url}: not an OpenAI chat completion response") from exc
+
+    def complete_tokens(self, prompt: list[int], *, max_tokens: int, temperature: float = 0.0,
+                        seed: int | None = None) -> tuple[list[int], list[float], str]:
+        """One completion of a token-id prompt: (generated token ids, their log-probs, finish reason).
+
+        Needs a vLLM server started with ``--return-tokens-as-token-ids`` (``trace serve`` is), so
+        that each reported token is its id (``"token_id:123"``) rather than text to re-tokenize."""
+        body: dict[str, Any] = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                                "temperature": temperature, "logprobs": 0, "skip_special_tokens": False}
+        if seed is not None:
+            body["seed"] = seed
+        payload = self._post("/completions", body)
+        try:
+            choice = payload["choices"][0]
+            tokens, logprobs = choice["logprobs"]["tokens"], choice["logprobs"]["token_logprobs"]
+            ids = [int(t.removeprefix("token_id:")) for t in tokens]
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise LLMError(f"{self.base_url}: not a completion with token-id log-probs (is the server started "
+                           "with --return-tokens-as-token-ids?)") from exc
+        return ids, [float(x) for x in logprobs], choice.get("finish_reason") or "length"
+
+    def _post(self, path: str, body: dict[str, Any]) -> Any:
+        """POST ``body`` to ``base_url + path``; the parsed JSON reply. Retries 5xx and network
+        errors twice with backoff; anything else is an :class:`LLMError`."""
         key = self.api_key or os.environ.get("TRACE_LLM_API_KEY", "")
         request = urllib.request.Request(
-            self.base_url.rstrip("/") + "/chat/completions",
+            self.base_url.rstrip("/") + path,
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})},
         )
@@ -53,16 +82,15 @@ class ChatClient:
         for attempt in range(3):
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    payload = json.loads(response.read())
-                return payload["choices"][0]["message"]["content"] or ""
+                    return json.loads(response.read())
             except urllib.error.HTTPError as exc:
                 if exc.code < 500 or attempt == 2:
                     raise LLMError(f"{self.base_url}: HTTP {exc.code}: {exc.read()[:300]!r}") from exc
             except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
                 if attempt == 2:
                     raise LLMError(f"{self.base_url}: {exc}") from exc
-            except (KeyError, IndexError, json.JSONDecodeError) as exc:
-                raise LLMError(f"{self.base_url}: not an OpenAI chat completion response") from exc
+            except json.JSONDecodeError as exc:
+                raise LLMError(f"{self.base_url}{path}: the reply is not JSON") from exc
             time.sleep(0.5 * 2**attempt)
         raise AssertionError("unreachable")
 

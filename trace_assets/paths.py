@@ -6,10 +6,12 @@ store, the model cache, adapters and synthetic environments. Deleting it resets 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -53,6 +55,66 @@ def quarantine_dir() -> Path:
 
 def landing_dir() -> Path:
     return sub("landing")
+
+
+def temp_beside(path: Path) -> Path:
+    """A fresh hidden name in ``path``'s folder (same filesystem, so a rename is atomic), unique per
+    process and call: two writers of one file never share a temporary (``.<name>.tmp-<pid>-<rand>``;
+    hidden, so the landing sensor never picks one up)."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path`` for a writer that needs a file name (DuckDB's
+    ``COPY ... TO``, ``shutil.copy2``). When the block ends, the file written there is fsynced and
+    replaces ``path`` in one ``os.replace``: a reader sees the old file or the new one, never part
+    of one, and of two writers at once the later replace wins whole. On an error it is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_beside(path)
+    try:
+        yield tmp
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)  # the rename itself survives a crash
+
+
+def atomic_write(path: Path, data: str | bytes) -> Path:
+    """Write ``data`` (text as UTF-8) to ``path`` atomically (:func:`atomic_path`). Returns ``path``."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "xb") as fh:
+            fh.write(data.encode() if isinstance(data, str) else data)
+    return Path(path)
+
+
+@contextlib.contextmanager
+def atomic_folder(final: Path) -> Iterator[Path]:
+    """Yield a new empty folder beside ``final`` to fill; when the block ends it takes ``final``'s
+    place (:func:`swap_in_folder`), and on an error it is removed. Unique per call, like
+    :func:`temp_beside`: two builds of one folder at once never write into each other's."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_beside(final)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    swap_in_folder(tmp, final)
 
 
 def swap_in_folder(tmp: Path, final: Path) -> Path:

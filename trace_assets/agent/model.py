@@ -23,18 +23,16 @@ import importlib
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
 import time
-import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from trace_assets.agent.chat import QWEN25_TOOL_TEMPLATE
-from trace_assets.paths import models_dir, swap_in_folder
+from trace_assets.paths import atomic_folder, atomic_write, models_dir
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +96,7 @@ def verify_folder(folder: Path) -> bool:
         log.warning("checksum mismatch in %s (expected %s, got %s)", folder, expected[:12], actual[:12])
         return False
     try:
-        (folder / _STAMP).write_text(json.dumps({"sha256": actual, **_stat_key(weights)}))
+        atomic_write(folder / _STAMP, json.dumps({"sha256": actual, **_stat_key(weights)}))  # readers share it
     except OSError:  # read-only cache: still valid, just slower next time
         pass
     return True
@@ -126,15 +124,9 @@ def _ensure_folder(name: str, build: Callable[[Path], None]) -> Path:
             return final
         for stale in models_dir().glob(f".{name}.tmp-*"):  # leftovers of killed builds
             shutil.rmtree(stale, ignore_errors=True)
-        tmp = models_dir() / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        try:
+        with atomic_folder(final) as tmp:  # an invalid old folder is moved aside, then replaced
             build(tmp)
             write_checksum(tmp)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        swap_in_folder(tmp, final)  # an invalid old folder is moved aside, then replaced
     return final
 
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from typing import Any, Callable, Sequence
 
@@ -55,6 +55,20 @@ from trace_assets.agent.chat import IM_END, assistant_message, parse_assistant, 
 from trace_assets.envs.base import Environment, Episode, EpisodeResult, Message, Task
 
 log = logging.getLogger(__name__)
+
+
+ROLLOUT_LIMITS = ("max_steps", "max_new_tokens", "max_context_tokens", "max_errors")
+"""An episode's limits. Several configs carry them (the ``[rollout]`` settings, ``GRPOConfig``,
+``EvalConfig``, ``RolloutConfig``); :func:`with_limits` is how one config takes them from another."""
+
+
+def with_limits(cls: type, source: Any, **values: Any) -> Any:
+    """``cls(**values)``, with each limit of :data:`ROLLOUT_LIMITS` that both ``cls`` and ``source``
+    have read from ``source`` unless ``values`` sets it; a limit ``source`` lacks keeps ``cls``'s
+    default. The classmethod ``from_limits`` of :class:`RolloutConfig` and ``EvalConfig``."""
+    names = {f.name for f in fields(cls)}
+    limits = {name: getattr(source, name) for name in ROLLOUT_LIMITS if name in names and hasattr(source, name)}
+    return cls(**{**limits, **values})
 
 
 @dataclass(frozen=True)
@@ -71,6 +85,10 @@ class RolloutConfig:
     """End the episode after this many error observations (tool observations starting with
     ``"Error:"``, the Environment protocol's error convention), as tau2-bench's ``max_errors``
     does: an agent stuck repeating failing calls only burns the step budget. 0 disables it."""
+
+    from_limits = classmethod(with_limits)
+    """``RolloutConfig.from_limits(source, temperature=..., seed=...)``: the episode limits of
+    ``source`` (e.g. the ``[rollout]`` settings), the sampling given (:func:`with_limits`)."""
 
 
 @dataclass

@@ -51,15 +51,28 @@ def demonstrations(env: Environment, tasks: Sequence[Task], *, confirm_rate: flo
     """One expert conversation per task; a ``1 - confirm_rate`` share skips confirmations.
 
     The expert is the environment's own: ``env.demonstrate(task, confirm=...)`` where it has one
-    (tau2's gold replay), else its ``expert`` target hook."""
+    (tau2's gold replay), else its ``expert`` target hook. Every demo is kept. A demo made without
+    confirmation that fails the target reward is expected (the reward counts a write only after
+    the user confirmed it): it is only counted. A confirmed demo that fails is an expert bug and
+    is warned about, one line per task. One summary line gives the counts."""
     expert = getattr(env, "demonstrate", None) or target_hook(env, "expert")
     rng = random.Random(seed)
     demos = []
+    unconfirmed = unconfirmed_failed = confirmed_failed = 0
     for task in tasks:
-        messages, result = expert(task, confirm=rng.random() < confirm_rate)
-        if not result.success:
-            log.warning("expert demo for %s did not succeed (reward %.2f); kept anyway", task.task_id, result.reward)
+        confirm = rng.random() < confirm_rate
+        messages, result = expert(task, confirm=confirm)
+        unconfirmed += not confirm
+        if not result.success and not confirm:
+            unconfirmed_failed += 1
+        elif not result.success:
+            confirmed_failed += 1
+            log.warning("expert demo for %s failed although it asked for confirmation (reward %.2f); kept anyway",
+                        task.task_id, result.reward)
         demos.append(messages)
+    log.info("expert demos: %d; %d made without confirmation on purpose (confirm_rate %.2f), %d of which fail the "
+             "target reward as expected; %d failed although confirmed", len(demos), unconfirmed, confirm_rate,
+             unconfirmed_failed, confirmed_failed)
     return demos
 
 
@@ -183,6 +196,25 @@ def train_warmstart(
     peft_model.eval()
     merge_and_save(peft_model, tokenizer, out_dir)
     return report
+
+
+def cached_agents(root: Path, source: str) -> list[Path]:
+    """Warm-started agents of ``source`` (``"demo"``, a model id or folder) cached under ``root``
+    (the ``base_agent`` asset's ``<models>/base_agent/<key>`` folders), newest first; only folders
+    whose weights still match their manifest's checksum."""
+    import json
+
+    from trace_assets.paths import folder_checksum
+
+    found = []
+    for manifest in root.glob("*/trace_manifest.json") if root.is_dir() else []:
+        try:
+            value = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            continue
+        if value.get("source") == source and value.get("checksum") == folder_checksum(manifest.parent):
+            found.append(manifest.parent)
+    return sorted(found, key=lambda folder: (folder / "trace_manifest.json").stat().st_mtime, reverse=True)
 
 
 def report_dict(report: WarmStartReport) -> dict[str, Any]:

@@ -109,7 +109,7 @@ def build_experiment_assets(settings: Settings) -> list:
     to_seed = MultiToSingleDimensionPartitionMapping(partition_dimension_name="seed")
     to_capability = MultiToSingleDimensionPartitionMapping(partition_dimension_name="capability")
     generation = planned_generation(settings.generation)
-    grpo_identity = settings.train.config().identity()  # the seed comes from the partition
+    grpo_identity = settings.train.grpo.identity()  # the seed comes from the partition
 
     @asset(group_name=GROUP, partitions_def=per_capability_seed, kinds={"json"},
            code_version=stable_hash([syn.__dict__, settings.section_hash("rollout"), CALIBRATION_VERSION]),
@@ -216,7 +216,7 @@ def build_experiment_assets(settings: Settings) -> list:
                 choices={BASE: [None] * n, TRACE: report["routed"] or [None] * n, GRPO: [GRPO] * n},
                 folders={**{k: a["adapter_dir"] for k, a in trained.items()}, GRPO: experiment_baselines[GRPO]["adapter_dir"]},
                 trials=exp.pass_k_trials, temperature=exp.pass_k_temperature, seed=seed, log=context.log.info)
-        (paths.sub("reports") / f"experiment_seed{seed}.md").write_text(report["markdown"])
+        paths.atomic_write(paths.sub("reports") / f"experiment_seed{seed}.md", report["markdown"])
         return Output(value, data_version=DataVersion(stable_hash(value)), metadata={
             "report": MetadataValue.md(report["markdown"]), "systems": MetadataValue.md(to_markdown(report["systems"])),
             "not_trained": MetadataValue.json(value["not_trained"])})
@@ -296,9 +296,7 @@ def write_report(report: dict[str, Any]) -> tuple[str, bytes]:
     folder = paths.sub("reports")
     png = forest_png(report)
     markdown = report_markdown(report, figure="experiment_forest.png")
-    for name, data in (("experiment_forest.png", png), ("experiment.md", markdown.encode()),
-                       ("experiment.json", json.dumps(report, indent=1).encode())):
-        tmp = folder / f".{name}.tmp"
-        tmp.write_bytes(data)
-        tmp.replace(folder / name)
+    for name, data in (("experiment_forest.png", png), ("experiment.md", markdown),
+                       ("experiment.json", json.dumps(report, indent=1))):
+        paths.atomic_write(folder / name, data)
     return markdown, png

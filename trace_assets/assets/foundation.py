@@ -7,7 +7,6 @@ it in ``code_version``, so that only what a change touches becomes stale.
 
 
 import json
-import shutil
 from typing import Any
 
 from dagster import (
@@ -39,8 +38,8 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
     from trace_assets.agent.identity import planned_generation
 
     generation = planned_generation(settings.generation)  # a backend or dtype switch re-rolls the base
-    # What shapes the warm-started weights; micro-batching only bounds memory.
-    warm_identity = {k: v for k, v in warm_cfg.__dict__.items() if k != "micro_batch_size"}
+    # What shapes the warm-started weights; micro-batching and checkpointing only bound memory.
+    warm_identity = {k: v for k, v in warm_cfg.__dict__.items() if k not in ("micro_batch_size", "gradient_checkpointing")}
 
     @asset(group_name=GROUP, code_version=settings.section_hash("tasks"), kinds={"python"})
     def task_splits(context: AssetExecutionContext) -> Output[dict[str, list[dict[str, Any]]]]:
@@ -104,8 +103,6 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
             value = json.loads(manifest.read_text())
             context.log.info(f"Reusing the warm-started agent at {folder} (checksum verified)")
         else:
-            tmp = folder.with_name(folder.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
             context.log.info(f"Warm-starting {source} on {len(demo_tasks)} expert demos")
             env = get_environment(task_cfg.env)
 
@@ -113,17 +110,17 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
                 if step == 1 or step % 4 == 0 or step == total:
                     context.log.info(f"warm-start step {step}/{total} loss {loss:.4f}")
 
-            report = train_warmstart(
-                models.resolve(source), env, demo_tasks, tmp, epochs=warm_cfg.epochs, lr=warm_cfg.lr,
-                lora_r=warm_cfg.lora_r, lora_alpha=warm_cfg.lora_alpha, batch_size=warm_cfg.batch_size,
-                micro_batch_size=warm_cfg.micro_batch_size,
-                confirm_rate=warm_cfg.confirm_rate, max_length=warm_cfg.max_length, seed=task_cfg.seed,
-                progress=progress,
-            )
-            value = {"path": str(folder), "source": source, "warmstart": report_dict(report), "checksum": folder_checksum(tmp)}
-            (tmp / "trace_manifest.json").write_text(json.dumps(value, indent=2))
-            shutil.rmtree(folder, ignore_errors=True)
-            tmp.replace(folder)
+            with paths.atomic_folder(folder) as tmp:
+                report = train_warmstart(
+                    models.resolve(source), env, demo_tasks, tmp, epochs=warm_cfg.epochs, lr=warm_cfg.lr,
+                    lora_r=warm_cfg.lora_r, lora_alpha=warm_cfg.lora_alpha, batch_size=warm_cfg.batch_size,
+                    micro_batch_size=warm_cfg.micro_batch_size, gradient_checkpointing=warm_cfg.gradient_checkpointing,
+                    confirm_rate=warm_cfg.confirm_rate, max_length=warm_cfg.max_length, seed=task_cfg.seed,
+                    progress=progress,
+                )
+                value = {"path": str(folder), "source": source, "warmstart": report_dict(report),
+                         "checksum": folder_checksum(tmp)}
+                (tmp / "trace_manifest.json").write_text(json.dumps(value, indent=2))
         ws = value["warmstart"]
         return Output(
             value,
@@ -161,11 +158,7 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
         identity = agent_identity(base_agent, backend)
         agent = agent_id(identity)
         context.log.info(f"generation backend: {models.backend_label(backend)}; agent {agent} {identity}")
-        config = RolloutConfig(
-            max_steps=roll_cfg.max_steps, max_new_tokens=roll_cfg.max_new_tokens,
-            max_context_tokens=roll_cfg.max_context_tokens, max_errors=roll_cfg.max_errors,
-            temperature=roll_cfg.temperature, seed=roll_cfg.seed,
-        )
+        config = RolloutConfig.from_limits(roll_cfg, temperature=roll_cfg.temperature, seed=roll_cfg.seed)
         step = max(1, len(tasks) // 10)
 
         def progress(done: int, total: int) -> None:

@@ -29,7 +29,8 @@ from dagster import (
 from resources.llm import AnalystResource
 from resources.store import TraceStore
 from trace_assets.identify.capabilities import Capability, dictionary_version
-from trace_assets.identify.stats import aggregate, run_stats_sql, select
+from trace_assets.identify.labelling import label_trajectories, train_trajectories
+from trace_assets.identify.stats import aggregate, select
 from trace_assets.figures import delta_cov_scatter, png_metadata, to_markdown
 from trace_assets.hashing import stable_hash
 from trace_assets.settings import Settings
@@ -59,11 +60,6 @@ def analyst_identity(settings: Settings) -> dict[str, Any]:
     return identity
 
 
-def _trajectories(store: TraceStore, ids: list[str]) -> list[dict[str, Any]]:
-    wanted = set(ids)
-    return [t for t in store.trajectories(split="train") if t["trajectory_id"] in wanted]
-
-
 def _outcomes(splits: dict[str, list[str]]) -> pl.DataFrame:
     return pl.DataFrame(
         {"trajectory_id": splits["d_plus"] + splits["d_minus"],
@@ -86,8 +82,8 @@ def build_identify_assets(settings: Settings) -> list:
         Versioned by a hash of its content; labels are keyed by that version.
         """
         impl = analyst.build()
-        d_plus = _trajectories(store, trajectory_splits["d_plus"])
-        d_minus = _trajectories(store, trajectory_splits["d_minus"])
+        d_plus = train_trajectories(store, trajectory_splits["d_plus"])
+        d_minus = train_trajectories(store, trajectory_splits["d_minus"])
         capabilities = impl.induce(d_plus, d_minus)
         version = dictionary_version(capabilities)
         table = pl.DataFrame([
@@ -120,61 +116,27 @@ def build_identify_assets(settings: Settings) -> list:
         analyst. Invalid analyst output is retried, then recorded in ``label_errors``; the asset
         fails, naming trajectories and capabilities, when errors exceed ``max_error_share``.
         """
-        from trace_assets.llm_client import LLMError
-
         impl = analyst.build()
         version = capability_dictionary["version"]
         capabilities = [Capability.from_dict(c) for c in capability_dictionary["capabilities"]]
         ids = trajectory_splits["d_plus"] + trajectory_splits["d_minus"]
-        done = store.labelled_keys(version)
-        pending = [
-            (tid, run) for tid in ids for run in range(n_runs)
-            if any((tid, c.name, run) not in done for c in capabilities)
-        ]
-        by_id = {t["trajectory_id"]: t for t in _trajectories(store, sorted({tid for tid, _ in pending}))}
-        context.log.info(f"{len(pending)} (trajectory, run) pairs to label of {len(ids) * n_runs}; {len(done)} labels reused")
-        new_rows, errors = [], []
-        for i, (tid, run) in enumerate(pending, start=1):
-            try:
-                labels = impl.label(by_id[tid], capabilities, run)
-                new_rows.extend((l.trajectory_id, l.capability, l.run, l.label, l.rationale) for l in labels)
-            except LLMError as exc:
-                errors.extend((tid, c.name, run, str(exc)[:500]) for c in capabilities)
-            if i % 50 == 0 or i == len(pending):
-                context.log.info(f"labelled {i}/{len(pending)} pairs")
-                store.insert_labels(new_rows, analyst=impl.name, version=version)  # keep progress
-                new_rows = []
-        store.insert_labels(new_rows, analyst=impl.name, version=version)
-        store.insert_label_errors(errors, analyst=impl.name, version=version)
-        expected = len(ids) * len(capabilities) * n_runs
-        share = len(errors) / expected if expected else 0.0
-        if share > settings.analyst.max_error_share:
-            sample = ", ".join(f"{t}/{c} (run {r}): {e[:120]}" for t, c, r, e in errors[:5])
-            raise Failure(
-                f"label_matrix: {len(errors)} of {expected} pairs failed ({share:.1%} > "
-                f"{settings.analyst.max_error_share:.0%}); first: {sample}. Stored labels are kept."
-            )
-        labelled = store.query(
-            "SELECT count(*) AS n, md5(string_agg(trajectory_id || capability || run || label, ',' "
-            "ORDER BY trajectory_id, capability, run)) AS h FROM labels WHERE dictionary_version = ? "
-            "AND trajectory_id IN (SELECT unnest(?::VARCHAR[]))", [version, ids],
-        ).row(0, named=True)
-        counts = store.query(
-            "SELECT capability, label, count(*) AS n FROM labels WHERE dictionary_version = ? "
-            "AND trajectory_id IN (SELECT unnest(?::VARCHAR[])) GROUP BY ALL ORDER BY ALL", [version, ids],
-        ).pivot(on="label", index="capability", values="n").fill_null(0)
+        run = label_trajectories(impl, store, capabilities, ids, n_runs, version, log=context.log.info)
+        problem = run.failure(settings.analyst.max_error_share)
+        if problem:
+            raise Failure(problem)
+        labelled = store.label_summary(version, ids)
         yield Output(
             {"dictionary_version": version, "runs": n_runs, "n_labels": labelled["n"]},
-            data_version=DataVersion(stable_hash([version, labelled["h"]])),
+            data_version=DataVersion(stable_hash([version, labelled["hash"]])),
             metadata={
-                "analyst_calls": impl.calls, "pairs_sent": len(pending), "labels_reused": len(done),
-                "labels": labelled["n"], "expected_labels": expected, "errors": len(errors),
-                "label_counts": MetadataValue.md(to_markdown(counts)),
+                "analyst_calls": impl.calls, "pairs_sent": run.pairs_sent, "labels_reused": run.labels_reused,
+                "labels": labelled["n"], "expected_labels": run.expected, "errors": len(run.errors),
+                "label_counts": MetadataValue.md(to_markdown(labelled["counts"])),
             },
         )
         yield AssetCheckResult(
-            check_name="label_completeness", passed=labelled["n"] == expected,
-            metadata={"labelled": labelled["n"], "expected": expected},
+            check_name="label_completeness", passed=labelled["n"] == run.expected,
+            metadata={"labelled": labelled["n"], "expected": run.expected},
         )
 
     @asset(group_name=GROUP, kinds={"duckdb", "polars"})
@@ -184,12 +146,7 @@ def build_identify_assets(settings: Settings) -> list:
     ) -> Output[dict[str, pl.DataFrame]]:
         """ER+, ER-, Delta, Cov and the six counts per run and capability (SQL in DuckDB), and
         their mean and std over runs. Thresholds are not applied here (see selected_capabilities)."""
-        outcomes = _outcomes(trajectory_splits)
-        with store.connect() as conn:
-            conn.register("outcomes", outcomes.to_arrow())
-            runs = run_stats_sql(conn, capability_dictionary["version"])
-            conn.execute("CREATE OR REPLACE TABLE capability_run_stats AS SELECT ?::VARCHAR AS dictionary_version, * FROM runs",
-                         [capability_dictionary["version"]])
+        runs = store.capability_run_stats(capability_dictionary["version"], _outcomes(trajectory_splits))
         summary = aggregate(runs) if runs.height else pl.DataFrame()
         metadata: dict[str, Any] = {
             "per_run": MetadataValue.md(to_markdown(runs.drop("total_failed", "total_passed")) if runs.height else "_no labels_"),

@@ -26,6 +26,7 @@ from resources.models import ModelResource
 from resources.store import TraceStore
 from trace_assets import paths
 from trace_assets.envs import get_environment
+from trace_assets.envs.base import target_hook
 from trace_assets.envs.splits import tasks_of
 from trace_assets.paths import folder_checksum
 from trace_assets.figures import png_metadata, to_markdown
@@ -72,7 +73,7 @@ def build_route_assets(settings: Settings) -> list:
     from trace_assets.agent.identity import planned_generation
 
     route_cfg, roll_cfg = settings.route, settings.rollout
-    grpo_config = settings.train.config()
+    grpo_config = settings.train.grpo
     generation = planned_generation(settings.generation)  # a backend or dtype switch re-evaluates
 
     @asset(
@@ -167,7 +168,7 @@ def build_route_assets(settings: Settings) -> list:
         }
         for name, png in report["pngs"].items():
             metadata.update(png_metadata(png, name))
-        (paths.sub("reports") / "latest_report.md").write_text(report["markdown"])
+        paths.atomic_write(paths.sub("reports") / "latest_report.md", report["markdown"])
         frames = ("pngs", "systems", "routing", "confusion", "paired", "nulls", "fidelity")
         value = {k: v for k, v in report.items() if k not in frames}
         value["nulls"] = report["nulls"].to_dicts()
@@ -196,18 +197,19 @@ BINARY_REWARD = "target-binary-success"
 def train_grpo_on_target(context: AssetExecutionContext, settings: Settings, *, models: ModelResource,
                          mlflow: MlflowRegistry, base_agent: dict, tasks: list, budget: int, trace_adapters: list[str],
                          name: str = "grpo_target", reward: str = "target", aliases=DEFAULT_ALIASES) -> dict[str, Any]:
-    """One LoRA trained by GRPO (``settings.train.config()``, whose seed drives sampling and
+    """One LoRA trained by GRPO (``settings.train.grpo``, whose seed drives sampling and
     initialization) on the target's ``tasks`` for ``ceil(budget / (G K))`` iterations, the
     equal-rollout baseline. ``reward``: ``"target"`` (the episode's own reward) or
     :data:`BINARY_REWARD`. Its folder is keyed by base, config, tasks and reward, so a finished
     run is reused and a killed one resumes from its checkpoint; registered in MLflow as ``name``
     with ``aliases``. Returns its manifest."""
+    from trace_assets.assets.train import train_grpo
     from trace_assets.envs.splits import TaskPoolEnv
-    from trace_assets.train.grpo import GRPOError, GRPOTrainer
+    from trace_assets.train.runs import train_or_reuse
 
     if reward not in ("target", BINARY_REWARD):
         raise ValueError(f"reward {reward!r} is neither 'target' nor {BINARY_REWARD!r}")
-    grpo_config = settings.train.config()
+    grpo_config = settings.train.grpo
     per_iteration = grpo_config.groups * grpo_config.samples_per_group
     iterations = max(1, math.ceil(budget / per_iteration))
     config = replace(grpo_config, iterations=iterations)
@@ -215,37 +217,28 @@ def train_grpo_on_target(context: AssetExecutionContext, settings: Settings, *, 
     identity = [base_agent.get("checksum") or base_agent["path"], config.identity(), [t.task_id for t in env.tasks], BASELINE_VERSION]
     key = stable_hash(identity if reward == "target" else [*identity, reward])  # the baseline's folder as it was
     out_dir = paths.sub("adapters", "_grpo_target", key)
-    manifest = out_dir / "trace_adapter.json"
-    if manifest.exists():
-        return json.loads(manifest.read_text())
-    model, tokenizer = models.load(base_agent["path"])
-    context.log.info(f"{name}: GRPO on {len(env.tasks)} target tasks, reward {reward}, budget {budget} rollouts = "
-                     f"{iterations} iterations x {per_iteration}")
-    reward_fn = (lambda rollout: float(bool(rollout.result.success))) if reward == BINARY_REWARD else None
-    trainer = GRPOTrainer(model, tokenizer, env, config, out_dir, reward_fn=reward_fn,
-                          backend_factory=models.policy_backend_factory(base_agent["path"]),
-                          progress=lambda m: context.log.info(f"[{name}] {m.line()}"))
-    try:
-        result = trainer.train()
-    except GRPOError as exc:
-        raise Failure(f"{name}: {exc}. Re-materializing resumes from the last checkpoint.") from exc
-    registered = mlflow.log_training(
-        name, adapter_dir=result.adapter_dir, history=result.history, aliases=tuple(aliases),
-        params={**config.to_dict(), "budget_rollouts": budget, "reward": reward},
-        lineage={"capability": name, "base_model": models.base_model, "dagster_run_id": context.run_id},
-    )
-    value = {
-        "adapter_dir": str(result.adapter_dir), "adapter_checksum": folder_checksum(result.adapter_dir),
-        "budget_rollouts": budget, "rollouts": len(result.history) * per_iteration,
-        "tokens": sum(m.loss_tokens for m in result.history), "reward": reward,
-        "families": sorted({t.family for t in env.tasks}),
-        "iterations": len(result.history), "mlflow_run_id": registered.run_id,
-        "model_version": registered.version, "trace_adapters": trace_adapters,
-    }
-    tmp = manifest.with_suffix(".tmp")
-    tmp.write_text(json.dumps(value, indent=2))
-    tmp.replace(manifest)
-    return value
+
+    def train() -> dict[str, Any]:
+        context.log.info(f"{name}: GRPO on {len(env.tasks)} target tasks, reward {reward}, budget {budget} rollouts = "
+                         f"{iterations} iterations x {per_iteration}")
+        reward_fn = (lambda rollout: float(bool(rollout.result.success))) if reward == BINARY_REWARD else None
+        _, result = train_grpo(models, base_agent, env, config, out_dir, what=name, tag=name, log=context.log.info,
+                               reward_fn=reward_fn)
+        registered = mlflow.log_training(
+            name, adapter_dir=result.adapter_dir, history=result.history, aliases=tuple(aliases),
+            params={**config.to_dict(), "budget_rollouts": budget, "reward": reward},
+            lineage={"capability": name, "base_model": models.base_model, "dagster_run_id": context.run_id},
+        )
+        return {
+            "adapter_dir": str(result.adapter_dir), "adapter_checksum": folder_checksum(result.adapter_dir),
+            "budget_rollouts": budget, "rollouts": len(result.history) * per_iteration,
+            "tokens": sum(m.loss_tokens for m in result.history), "reward": reward,
+            "families": sorted({t.family for t in env.tasks}),
+            "iterations": len(result.history), "mlflow_run_id": registered.run_id,
+            "model_version": registered.version, "trace_adapters": trace_adapters,
+        }
+
+    return train_or_reuse(out_dir, train)[0]
 
 
 def build_router(context: AssetExecutionContext, settings: Settings, *, models: ModelResource, store: TraceStore,
@@ -255,7 +248,6 @@ def build_router(context: AssetExecutionContext, settings: Settings, *, models: 
     ``router`` materializes; the experiment builds one per training seed): the routable candidates,
     the retrieval index (its embeddings cached by content) and the router selection on train-side
     held-out prompts."""
-    from trace_assets.envs.retail.expert import demonstrate
     from trace_assets.route.router import example_text, first_user_prompt
     from trace_assets.synthesize import SyntheticEnv
 
@@ -271,7 +263,7 @@ def build_router(context: AssetExecutionContext, settings: Settings, *, models: 
         env = SyntheticEnv(json.loads(open(synthetic_env[name]["spec_path"]).read()), target)
         tasks = env.sample_tasks(route_cfg.index_prompts, offset=route_cfg.index_offset)
         index[name] = [first_user_prompt(env, t) for t in tasks]
-        messages, result = demonstrate(env, tasks[0])  # one successful trajectory of its environment
+        messages, result = target_hook(target, "expert")(tasks[0], via=env)  # one successful trajectory of its environment
         description = next(c["description"] for c in selected_capabilities["capabilities"] if c["name"] == name)
         candidates.append({"name": name, "description": description, "example": example_text(messages)})
     wanted = set(trajectory_splits["d_plus"])
@@ -295,7 +287,7 @@ def build_router(context: AssetExecutionContext, settings: Settings, *, models: 
             full_index = {**index, None: base_prompts}
             state = _jsonable_state(RetrievalRouter(embedder, full_index, mode=route_cfg.mode, k=route_cfg.k,
                                                     threshold=route_cfg.threshold).state())
-            cache.write_text(json.dumps(state))
+            paths.atomic_write(cache, json.dumps(state))
     value = {
         "kind": route_cfg.kind, "candidates": candidates, "index_key": index_key,
         "adapters": {n: {"adapter_dir": a["adapter_dir"], "model_version": a["model_version"]} for n, a in adapters.items()},

@@ -7,7 +7,9 @@ this capability must fail the environment, the experts lacking any other one mus
 blocking check carries fidelity, calibration and isolation, so an environment that fails any of
 them never reaches training. A spec the synthesizer cannot repair fails the run and leaves
 the partition's previous materialization intact. Specs are stored content-addressed under
-``<data>/envs/<capability>/<spec_hash>.json`` and never overwritten.
+``<data>/envs/<capability>/<spec_hash>.json`` and never overwritten. Every materialization logs its
+isolation matrix (table, heatmap PNG, JSON), calibration rounds and spec to MLflow, in a run of its
+own (``MlflowRegistry.log_environment``; the run id is in the metadata).
 """
 
 import json
@@ -16,6 +18,7 @@ from typing import Any
 from dagster import AssetCheckResult, AssetCheckSpec, AssetExecutionContext, DataVersion, Failure, MetadataValue, Output, asset
 
 from resources.llm import SynthesizerResource
+from resources.mlflow_registry import MlflowRegistry
 from resources.models import ModelResource
 from resources.store import TraceStore
 from trace_assets import paths
@@ -37,7 +40,7 @@ training tasks, with sampling seeds 0, 1, 2 whatever the training seed)."""
 
 def build_synthesize_assets(settings: Settings) -> list:
     syn = settings.synthesis
-    train_seed = settings.train.config().seed  # the training seed drives calibration's sampling too
+    train_seed = settings.train.grpo.seed  # the training seed drives calibration's sampling too
 
     @asset(
         group_name=GROUP, partitions_def=capability_partitions, kinds={"json"},
@@ -49,12 +52,13 @@ def build_synthesize_assets(settings: Settings) -> list:
     )
     def synthetic_env(
         context: AssetExecutionContext, synthesizer: SynthesizerResource, models: ModelResource,
-        store: TraceStore, capability_spec: dict, base_agent: dict,
+        store: TraceStore, mlflow: MlflowRegistry, capability_spec: dict, base_agent: dict,
     ):
         """The capability's training environment: an EnvSpec interpreted on the target's machinery."""
         name = checked_partition_key(context.partition_key)  # it becomes a path part below
         value, metadata = make_synthetic_env(context, settings, name, train_seed, synthesizer=synthesizer, models=models,
-                                             store=store, capability_spec=capability_spec, base_agent=base_agent)
+                                             store=store, capability_spec=capability_spec, base_agent=base_agent,
+                                             mlflow=mlflow)
         check = value.pop("check")
         yield Output(value, data_version=DataVersion(value["spec_hash"]), metadata=metadata)
         yield AssetCheckResult(
@@ -68,78 +72,50 @@ def build_synthesize_assets(settings: Settings) -> list:
 
 def make_synthetic_env(context: AssetExecutionContext, settings: Settings, name: str, train_seed: int, *,
                        synthesizer: SynthesizerResource, models: ModelResource, store: TraceStore,
-                       capability_spec: dict, base_agent: dict) -> tuple[dict[str, Any], dict[str, Any]]:
+                       capability_spec: dict, base_agent: dict,
+                       mlflow: MlflowRegistry | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(value, metadata)`` of capability ``name``'s environment: synthesized, checked, calibrated
-    on the base agent with sampling seeds from ``train_seed``, then checked for isolation.
-    ``value["check"]`` is the blocking check's ``{"passed", "reason"}``. The experiment calls it
-    once per training seed."""
-    syn = settings.synthesis
-    from trace_assets.agent.rollout import RolloutConfig, run_rollouts
+    on the base agent with sampling seeds from ``train_seed``, then checked for isolation
+    (``synthesize.build``). ``value["check"]`` is the blocking check's ``{"passed", "reason"}``. With
+    ``mlflow``, the environment is logged to a run of its own (its id in the metadata). The experiment
+    calls it once per training seed."""
+    from trace_assets.agent.model import load_tokenizer
     from trace_assets.llm_client import LLMError
-    from trace_assets.synthesize import (
-        SyntheticEnv,
-        calibrate,
-        calibration_rollout_seed,
-        check_spec,
-        isolation_heatmap,
-        isolation_markdown,
-        isolation_matrix,
-        spec_hash,
-    )
+    from trace_assets.synthesize import SyntheticEnv, isolation_heatmap, isolation_markdown, spec_hash
+    from trace_assets.synthesize.build import CalibrationRollouts, SpecRejected, build_environment, checked_spec
 
+    syn = settings.synthesis
     target = get_environment(settings.tasks.env)
     wanted = set(capability_spec.get("example_trajectory_ids", []))
     failed = [t for t in store.trajectories(split="train") if t["trajectory_id"] in wanted]
     capability = {k: capability_spec[k] for k in ("name", "description", "failure_modes")}
     try:
-        spec, rejected = synthesizer.synthesize(capability, target, failed)
+        spec, rejected = checked_spec(capability, target, synthesizer.synthesize, failed)
     except LLMError as exc:
         raise Failure(f"synthetic_env[{name}]: no valid spec; the previous materialization is kept. {exc}") from exc
-    problems = check_spec(spec, target, seeds=2)
-    if problems:
-        raise Failure(f"synthetic_env[{name}]: spec rejected; the previous materialization is kept: {problems[:5]}")
-
-    from trace_assets.agent.model import load_tokenizer
+    except SpecRejected as exc:
+        raise Failure(f"synthetic_env[{name}]: spec rejected; the previous materialization is kept: "
+                      f"{exc.problems[:5]}") from exc
 
     tokenizer = load_tokenizer(base_agent["path"])
     backend = models.backend_for(base_agent["path"])
     context.log.info(f"generation backend: {models.backend_label(backend)}")
-    last: dict[str, Any] = {}
-
-    def rollout_fn(env, tasks, k, temperature):
-        config = RolloutConfig(max_steps=syn.max_steps, max_new_tokens=settings.rollout.max_new_tokens,
-                               max_context_tokens=settings.rollout.max_context_tokens,
-                               temperature=temperature,
-                               seed=calibration_rollout_seed(train_seed, len(last.get("rounds", []))))
-        repeated = [t for t in tasks for _ in range(k)]
-        round_index = len(last.get("rounds", []))
-        context.log.info(f"calibration round {round_index}: {len(repeated)} episodes at T={temperature}, "
-                         f"difficulty {json.dumps(env.spec.get('difficulty', {}))}")
-        rollouts = run_rollouts(env, repeated, backend, tokenizer, config)
-        rewards = [r.result.reward for r in rollouts]
-        context.log.info(f"calibration round {round_index}: mean reward {sum(rewards) / max(len(rewards), 1):.3f}, "
-                         f"success {sum(r.result.success for r in rollouts) / max(len(rollouts), 1):.3f}")
-        last.setdefault("rounds", []).append(len(rollouts))
-        last["rollouts"] = rollouts
-        return [r.result for r in rollouts]
-
-    report = calibrate(spec, target, rollout_fn, seeds=syn.calibration_seeds, k=syn.calibration_k,
-                       temperature=syn.temperature, band=tuple(syn.band), min_informative=syn.min_informative,
-                       max_rounds=syn.max_rounds)
+    rollout_fn = CalibrationRollouts(backend, tokenizer, max_steps=syn.max_steps,
+                                     max_new_tokens=settings.rollout.max_new_tokens,
+                                     max_context_tokens=settings.rollout.max_context_tokens, train_seed=train_seed,
+                                     log=context.log.info)
+    built = build_environment(spec, target, rollout_fn, syn, rejected=rejected)
+    report, iso = built.calibration, built.isolation
     final = report.spec
     digest = spec_hash(final)
-    folder = paths.sub("envs", name)
-    spec_path = folder / f"{digest}.json"
+    spec_path = paths.sub("envs", name) / f"{digest}.json"
     if not spec_path.exists():
-        tmp = folder / f".{digest}.json.tmp"
-        tmp.write_text(json.dumps(final, indent=2, sort_keys=True))
-        tmp.replace(spec_path)
-    rollouts = last.get("rollouts", [])
-    iso = isolation_matrix(final, target)
+        paths.atomic_write(spec_path, json.dumps(final, indent=2, sort_keys=True))
+    rollouts = rollout_fn.last
     rewards = [r.result.reward for r in rollouts]
     env = SyntheticEnv(final, target)
     sample = max(rollouts, key=lambda r: r.result.reward, default=None)
-    n_calibration = sum(last.get("rounds", []))
+    n_calibration = built.calibration_rollouts
     value = {
         "capability": name, "spec_path": str(spec_path), "spec_hash": digest, "env_name": env.name,
         "calibration": report.to_dict(), "isolation": iso, "rejected_specs": rejected,
@@ -154,12 +130,17 @@ def make_synthetic_env(context: AssetExecutionContext, settings: Settings, name:
         "isolation_matrix": MetadataValue.md(isolation_markdown([iso])),
         "isolation_rows": MetadataValue.json(iso["rows"]), "rejected_specs": MetadataValue.json(rejected),
     }
-    metadata.update(png_metadata(isolation_heatmap([iso], title=f"E_{name}: success of each agent"), "isolation_heatmap"))
+    heatmap_png = isolation_heatmap([iso], title=f"E_{name}: success of each agent")
+    metadata.update(png_metadata(heatmap_png, "isolation_heatmap"))
+    if mlflow is not None:
+        metadata["mlflow_run_id"] = mlflow.log_environment(
+            name, spec=final, isolation=iso, calibration=report.to_dict(), isolation_table=isolation_markdown([iso]),
+            isolation_png=heatmap_png, lineage={"envspec_hash": digest, "dagster_run_id": context.run_id,
+                                                "base_model": f"{models.base_model}@{base_agent.get('checksum') or base_agent['path']}"})
     if rewards:
         metadata.update(png_metadata(reward_histogram(rewards, title=f"{name}: last calibration round"), "reward_histogram"))
     if sample is not None:
         metadata["sample_episode"] = MetadataValue.md(render_markdown(sample.messages))
-    passed = report.passed and iso["passed"]
+    passed = built.passed
     value["check"] = {"passed": passed, "reason": f"calibration: {report.reason}; isolation: {iso['reason']}"}
     return value, metadata
-

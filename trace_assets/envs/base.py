@@ -19,15 +19,21 @@ Contracts every implementation must keep:
 * All values in ``Task`` and ``EpisodeResult.info`` are JSON-serialisable.
 
 Optional hooks (:class:`TargetHooks`): what generic code that builds *on* a target needs beyond the
-protocol. The warm-start asks for ``expert`` demonstrations; a synthetic environment asks for
-``tool_classes``, ``generate_db`` and ``replay_state`` to perturb and re-score the target's tasks.
-Generic code reaches them through :func:`target_hook`, which names the missing hook when a target
-does not offer it.
+protocol. The warm-start asks for ``expert`` demonstrations. Step 2 (a synthetic environment over
+the target) asks for the tool classes its rubric groups name (``tool_classes``), the task of a
+synthetic seed (``synthetic_task``, ``synthesis_knobs``, ``family_complexity``), the expert that
+plays decision-point prefixes (``next_move``) and its ablations and adversaries for the isolation
+check (``ablations``, ``adversaries``, ``expert(..., lacking=, policy=)``). ``retail`` has every
+hook (its procedural database also gives ``generate_db`` and ``replay_state``); ``tau2_airline``
+(``envs.mcp.McpEnv``) derives its hooks from its tool list, its task file and the gold-replay expert,
+and says which ablations cannot exist there. Generic code reaches them through :func:`target_hook`,
+which names the missing hook when a target does not offer it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
@@ -43,6 +49,25 @@ def jsonable(value: Any) -> Any:
         return json.loads(json.dumps(value))
     except (TypeError, ValueError):
         return repr(value)
+
+
+MIN_ECHO_CHARS = 12
+"""Tool observations at least this long are cut out of a message when they appear in it verbatim
+(shorter ones, like a bare user id, are ordinary words of an answer)."""
+_JSON_OBJECT = re.compile(r"\{[^{}]*\}")
+
+
+def spoken_text(text: str, observations: list[str]) -> str:
+    """What ``text`` tells the user in its own words: ``text`` without any verbatim tool
+    observation (of at least :data:`MIN_ECHO_CHARS` characters) and without JSON objects."""
+    out = text
+    for observation in sorted({o for o in observations if len(o) >= MIN_ECHO_CHARS}, key=len, reverse=True):
+        out = out.replace(observation, " ")
+    while True:  # innermost objects first, so nested JSON goes entirely
+        cut = _JSON_OBJECT.sub(lambda m: " " if '"' in m.group(0) or ":" in m.group(0) else m.group(0), out)
+        if cut == out:
+            return out
+        out = cut
 
 
 @dataclass(frozen=True)
@@ -151,15 +176,40 @@ class Environment(Protocol):
 
 
 class TargetHooks(Protocol):
-    """Optional hooks of a target environment (all or none of them; the built-in ``retail`` has all)."""
+    """Optional hooks of a target environment (see the module docstring for who needs which)."""
 
-    def expert(self, task: Task, *, confirm: bool = True, via: Environment | None = None) -> tuple[list[Message], EpisodeResult]:
+    def expert(self, task: Task, *, confirm: bool = True, via: Environment | None = None, lacking: str | None = None,
+               policy: Any = None) -> tuple[list[Message], EpisodeResult]:
         """The scripted expert's conversation on ``task``, played through ``(via or self).start(task)``,
-        and the episode's result. ``confirm=False``: it writes without asking for confirmation."""
+        and the episode's result. ``confirm=False``: it writes without asking for confirmation.
+        ``lacking=c``: the expert ablated of capability ``c`` (a key of ``ablations()``); ``policy``:
+        play that :data:`~trace_assets.envs.expert.Policy` instead (an adversary)."""
+
+    def next_move(self, task: Task, messages: list[Message], *, lacking: str | None = None) -> Any:
+        """The expert's next :class:`~trace_assets.envs.expert.Move` in the conversation ``messages``
+        (None: nothing left to do). Deterministic, and able to continue a conversation it started."""
+
+    def ablations(self) -> dict[str, str]:
+        """The capabilities the expert can be ablated of, each with what the ablated expert stops
+        doing. May be empty or partial: a capability without one gets a weaker isolation measure."""
+
+    def adversaries(self) -> dict[str, Any]:
+        """Adversarial scripted agents by name (policies that try to game a reward)."""
 
     def tool_classes(self) -> dict[str, frozenset[str]]:
         """Tool names by class: ``{"auth": ..., "write": ..., "account": ...}`` (account tools need
         authentication; writes change the state)."""
+
+    def synthetic_task(self, family: str, seed: int, *, scenario: dict[str, Any], difficulty: dict[str, Any]) -> Task:
+        """The target's task for the synthetic seed ``seed`` (>= ``splits.SYNTHETIC_SEED_BASE``) of
+        ``family``, perturbed by the spec's scenario and difficulty knobs that ``synthesis_knobs()``
+        names (defaults filled in). Pure; never a task of the target's test split."""
+
+    def synthesis_knobs(self) -> frozenset[str]:
+        """The scenario and difficulty knob names this target's synthetic tasks interpret."""
+
+    def family_complexity(self, family: str) -> float:
+        """How complex the family's tasks are (the ordering ``difficulty.family_bias`` tilts by)."""
 
     def generate_db(self, seed: int) -> Any:
         """A fresh database of ``seed``: the one ``make_task(family, seed)`` builds its task on."""
@@ -171,8 +221,9 @@ class TargetHooks(Protocol):
 
 def target_hook(env: Any, name: str) -> Callable[..., Any]:
     """``env``'s optional hook ``name`` (see :class:`TargetHooks`), or an error naming both."""
-    if name not in TargetHooks.__dict__:
-        raise AttributeError(f"{name!r} is not a target hook; known: expert, tool_classes, generate_db, replay_state")
+    known = [n for n in TargetHooks.__dict__ if not n.startswith("_")]
+    if name not in known:
+        raise AttributeError(f"{name!r} is not a target hook; known: {', '.join(known)}")
     hook = getattr(env, name, None)
     if not callable(hook):
         raise NotImplementedError(f"environment {getattr(env, 'name', env)!r} does not provide the target hook "

@@ -366,6 +366,7 @@ class McpEnvSpec:
     state_dir_env: str | None = None
     read_state: Any = None  # Callable[[Path, str], Any]
     auth_tools: frozenset[str] = frozenset()  # a successful call identifies the user ("authenticated")
+    account_tools: frozenset[str] = frozenset()  # tools the server refuses before authentication (none for tau2)
 
 
 class McpEpisode:
@@ -546,9 +547,63 @@ class McpEnv:
         return {name: list(tasks) for name, tasks in self.splits.items()}
 
     def demonstrate(self, task: Task, *, confirm: bool = True) -> tuple[list[Message], EpisodeResult]:
+        """The gold-replay expert on ``task`` (the warm-start's demonstrations)."""
+        return self.expert(task, confirm=confirm)
+
+    # ---- target hooks (base.TargetHooks), derived from the tools, the task file and the gold ---
+
+    def expert(self, task: Task, *, confirm: bool = True, via: Any = None, lacking: str | None = None,
+               policy: Any = None) -> tuple[list[Message], EpisodeResult]:
         from .tau2 import demonstrate
 
-        return demonstrate(self, task, confirm=confirm)
+        return demonstrate(via or self, task, confirm=confirm, lacking=lacking, policy=policy,
+                           write_tools=self.spec.write_tools, auth_tools=self.spec.auth_tools)
+
+    def next_move(self, task: Task, messages: list[Message], *, lacking: str | None = None) -> Any:
+        from .tau2 import gold_next_move
+
+        return gold_next_move(task, messages, write_tools=self.spec.write_tools, auth_tools=self.spec.auth_tools,
+                              lacking=lacking)
+
+    def ablations(self) -> dict[str, str]:
+        """The gold replay's ablations (``tau2.GOLD_ABLATIONS``); ``tau2.NO_ABLATION`` says why
+        the other heuristic capabilities have none here."""
+        from .tau2 import GOLD_ABLATIONS
+
+        return dict(GOLD_ABLATIONS)
+
+    def adversaries(self) -> dict[str, Any]:
+        from .tau2 import gold_adversaries
+
+        return gold_adversaries(write_tools=self.spec.write_tools, auth_tools=self.spec.auth_tools)
+
+    def tool_classes(self) -> dict[str, frozenset[str]]:
+        """Writes are the server's own write-tool list; ``auth`` the calls that identify the user."""
+        return {"auth": self.spec.auth_tools, "write": self.spec.write_tools, "account": self.spec.account_tools}
+
+    def synthetic_task(self, family: str, seed: int, *, scenario: dict[str, Any], difficulty: dict[str, Any]) -> Task:
+        """An official TRAIN task of ``family`` (``seed`` modulo their number, in file order), never
+        a test task. The server owns one database, so there is no new database per seed; of the
+        spec's knobs only the hint and the family weights act here (:meth:`synthesis_knobs`)."""
+        from dataclasses import replace
+
+        pool = self._train_family(family)
+        return replace(pool[seed % len(pool)], seed=seed)
+
+    def synthesis_knobs(self) -> frozenset[str]:
+        return frozenset({"hint_share", "family_bias"})
+
+    def family_complexity(self, family: str) -> float:
+        """Mean number of gold actions of the family's official train tasks."""
+        pool = self._train_family(family)
+        return sum(len(t.gold_actions) for t in pool) / len(pool)
+
+    def _train_family(self, family: str) -> list[Task]:
+        pool = [t for t in self.splits["train"] if t.family == family]
+        if not pool:
+            raise ValueError(f"{self.name}: no official train task of family {family!r} (synthetic tasks come from the "
+                             f"train split only); train families: {sorted({t.family for t in self.splits['train']})}")
+        return pool
 
     def agent_tool_names(self) -> set[str]:
         return {t["function"]["name"] for t in self.tool_schemas()}
@@ -578,7 +633,8 @@ class McpEnv:
         # Only writes change the database (the server's own write-tool list), so reads are not
         # replayed, and every task without a write shares the hash of the fresh database.
         writes = [a for a in task.gold_actions if a["name"] in self.spec.write_tools]
-        cache = task.task_id if writes else "<fresh>"
+        # By what the replay depends on, so the synthetic tasks drawn from one task share it.
+        cache = json.dumps([task.scenario.get("tau2_id"), writes], sort_keys=True) if writes else "<fresh>"
         if cache not in self._gold:
             key = self._key("gold")
             self.reset(key, task)

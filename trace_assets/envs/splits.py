@@ -32,6 +32,12 @@ SYNTHETIC_SEED_BASE = 1_000_000
 SPLITS = ("demo", "train", "test")
 
 
+def synthetic_draw(knob: str, family: str, seed: int) -> float:
+    """The uniform draw in [0, 1) that decides ``knob`` for the synthetic task ``(family, seed)``:
+    one seeded stream per knob, so turning one knob never reshuffles another."""
+    return random.Random(f"synthetic/{knob}/{family}/{seed}").random()
+
+
 def make_splits(env: Environment, *, demo_per_family: int, train_per_family: int, test_per_family: int, seed: int) -> dict[str, list[Task]]:
     """``{"demo": [...], "train": [...], "test": [...]}``, deterministic in ``seed``."""
     counts = {"demo": demo_per_family, "train": train_per_family, "test": test_per_family}

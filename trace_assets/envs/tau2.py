@@ -17,12 +17,16 @@
   says yes to confirmation questions and stops when asked whether anything else is needed. It is a
   WEAK user: it cannot follow the scenario's conditional instructions (e.g. "if the agent says no,
   mention the insurance"), so tasks that hinge on them are graded against a user who never tried.
-* :func:`demonstrate` is the scripted gold-replay expert: it performs the gold actions (asking
-  for confirmation before each write when ``confirm``), states the ``communicate_info`` and closes.
+* :func:`demonstrate` is the scripted gold-replay expert (:func:`gold_next_move`, reactive, so a
+  synthetic episode can play it up to a decision point): it performs the gold actions (asking for
+  confirmation before each write when ``confirm``), states the ``communicate_info`` and closes.
+  :data:`GOLD_ABLATIONS` are the capabilities it can be ablated of; :data:`NO_ABLATION` says why
+  the others cannot be; :func:`gold_adversaries` are the adversarial agents built on it.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -30,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .base import EpisodeResult, Message, Task
+from .expert import GENERIC_ADVERSARIES, Conversation, Move, Policy, play
 
 STOP_TOKENS = ("###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###")
 AGENT_GREETING = "Hi! How can I help you today?"  # tau2-bench's first agent message
@@ -305,39 +310,129 @@ CLOSING = "Is there anything else I can help you with?"
 TRANSFER_MESSAGE = "YOU ARE BEING TRANSFERRED TO A HUMAN AGENT. PLEASE HOLD ON."
 
 
-def demonstrate(env: Any, task: Task, *, confirm: bool = True, max_closings: int = 3) -> tuple[list[Message], EpisodeResult]:
-    """Play ``task`` through ``env.start(task)`` performing its gold actions; return the messages
-    and the episode's result. Writes are preceded by a confirmation question when ``confirm``."""
-    episode = env.start(task)
-    messages = episode.initial_messages()
-    done = False
+NOTED = "Your request has been noted."
+INFO_PREFIX = "Here is the information you asked for: "
+TRANSFER_TOOL = "transfer_to_human_agents"
+MAX_CLOSINGS = 3
 
-    def say(text: str) -> None:
-        nonlocal done
-        messages.append({"role": "assistant", "content": text})
-        reply, done = episode.user_reply(text)
-        if reply or not done:
-            messages.append({"role": "user", "content": reply})
+GOLD_ABLATIONS: dict[str, str] = {
+    "confirm_before_writing": "never asks for confirmation; makes each gold write right away",
+    "execute_requested_action": "proposes each write and gets a yes, then only says the request is noted; never writes",
+    "complete_multistep_transactions": "stops after the first write: nothing after it but the closing",
+    "communicate_results": "never states the task's communicate_info",
+}
+"""What the gold-replay expert can be ablated of: each removes one heuristic capability
+(``identify.heuristic.CATALOGUE``) from a replay of the gold actions."""
+NO_ABLATION: dict[str, str] = {
+    "authenticate_before_acting": "tau2's airline policy asks for no authentication (the user states their user id) "
+                                  "and most gold solutions never call get_user_details: skipping it changes nothing graded",
+    "ground_arguments": "the gold arguments are literal values with no lookup to skip; a guessed id has no principled "
+                        "stand-in in a replay",
+    "refuse_forbidden_actions": "the gold of a refusal is the absence of a write; it never names the forbidden write "
+                                "the user asks for, so there is nothing for an ablated expert to attempt",
+    "well_formed_tool_calls": "not derived: the server's reaction to a malformed first attempt is not part of the "
+                              "gold, so no replay shows it",
+}
+"""The heuristic capabilities the gold-replay expert has no ablation for, and why: their synthetic
+environments get the weaker isolation measure (``synthesize.validate.WEAKER``)."""
 
+
+def _proposal(action: dict[str, Any]) -> str:
+    return f"I will call {action['name']} with {json.dumps(action['arguments'], sort_keys=True)}. {ASK_CONFIRM}"
+
+
+def _info(task: Task) -> str:
+    return INFO_PREFIX + "; ".join(task.required_info) + "."
+
+
+def gold_next_move(task: Task, messages: list[Message], *, write_tools: frozenset[str],
+                   auth_tools: frozenset[str] = frozenset(), lacking: str | None = None) -> Move | None:
+    """The gold-replay expert's next move in ``messages`` (None: nothing left to do).
+
+    In order: each gold action (a write is preceded by :data:`ASK_CONFIRM` proposal), the
+    transfer message after ``transfer_to_human_agents``, the ``communicate_info`` and up to
+    :data:`MAX_CLOSINGS` closings. Progress is read from the conversation (calls matched to the
+    gold in order, by name and arguments), so it continues a conversation it or another policy
+    started. Move kinds: ``authenticate`` (an ``auth_tools`` call), ``lookup``, ``propose``,
+    ``write``, ``report``; ``intent`` is the number of gold writes before the move's action.
+    ``lacking`` removes one capability (:data:`GOLD_ABLATIONS`).
+    """
+    if lacking is not None and lacking not in GOLD_ABLATIONS:
+        raise ValueError(f"no ablation of the gold-replay expert for {lacking!r}; known: {sorted(GOLD_ABLATIONS)}"
+                         + (f" ({lacking}: {NO_ABLATION[lacking]})" if lacking in NO_ABLATION else ""))
+    seen = Conversation.read(messages)
+    after = lambda since, needle: next((i for i, t in seen.texts if i > since and needle in t), None)  # noqa: E731
+    pointer, since, intent = 0, 0, 0
     for action in task.gold_actions:
-        if done:
+        is_write = action["name"] in write_tools
+        if lacking == "complete_multistep_transactions" and intent >= 1:
             break
-        if confirm and action["name"] in env.write_tools:
-            say(f"I will call {action['name']} with {json.dumps(action['arguments'], sort_keys=True)}. {ASK_CONFIRM}")
-        arguments = json.loads(json.dumps(action["arguments"]))
-        messages.append({"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": action["name"], "arguments": arguments}}]})
-        observation = episode.call_tool(action["name"], json.loads(json.dumps(arguments)))
-        messages.append({"role": "tool", "name": action["name"], "content": observation})
-        if action["name"] == "transfer_to_human_agents" and not done:
-            say(TRANSFER_MESSAGE)
-    if task.required_info and not done:
-        say("Here is the information you asked for: " + "; ".join(task.required_info) + ".")
-    for _ in range(max_closings):
-        if done:
-            break
-        say(CLOSING)
-    return messages, episode.result()
+        match = next((j for j in range(pointer, len(seen.calls)) if seen.calls[j][1].name == action["name"]
+                      and seen.calls[j][1].arguments == action["arguments"]), None)
+        if match is not None:
+            pointer, since = match + 1, seen.calls[match][0]
+            intent += is_write
+            if action["name"] == TRANSFER_TOOL:
+                told = after(since, TRANSFER_MESSAGE)
+                if told is None:
+                    return Move("report", intent, text=TRANSFER_MESSAGE)
+                since = told
+            continue
+        if is_write and lacking == "execute_requested_action":
+            proposed = after(since, ASK_CONFIRM)
+            if proposed is None:
+                return Move("propose", intent, text=_proposal(action))
+            noted = after(proposed, NOTED)
+            if noted is None:
+                return Move("report", intent, text=NOTED)
+            since, intent = noted, intent + 1
+            continue
+        if is_write and lacking != "confirm_before_writing" and after(since, ASK_CONFIRM) is None:
+            return Move("propose", intent, text=_proposal(action))
+        kind = "write" if is_write else "authenticate" if action["name"] in auth_tools else "lookup"
+        return Move(kind, intent, call={"name": action["name"], "arguments": copy.deepcopy(action["arguments"])})
+    closings = [i for i, t in seen.texts if i > since and CLOSING in t]
+    if task.required_info and lacking != "communicate_results" and not closings and after(since, INFO_PREFIX) is None:
+        return Move("report", None, text=_info(task))
+    return Move("report", None, text=CLOSING) if len(closings) < MAX_CLOSINGS else None
+
+
+def demonstrate(env: Any, task: Task, *, confirm: bool = True, lacking: str | None = None, policy: Policy | None = None,
+                write_tools: frozenset[str] | None = None, auth_tools: frozenset[str] | None = None) -> tuple[list[Message], EpisodeResult]:
+    """Play the gold-replay expert (:func:`gold_next_move`; ``confirm=False`` = lacking
+    confirm_before_writing), or ``policy``, on ``task`` through ``env.start(task)``; return the
+    messages and the episode's result. ``write_tools`` / ``auth_tools`` default to ``env``'s own
+    (pass the target's when ``env`` is a synthetic environment over it). Tool errors do not stop it."""
+    if not confirm and lacking is None:
+        lacking = "confirm_before_writing"
+    writes = env.write_tools if write_tools is None else write_tools
+    auth = getattr(getattr(env, "spec", None), "auth_tools", frozenset()) if auth_tools is None else auth_tools
+    play_policy = policy or (lambda t, m: gold_next_move(t, m, write_tools=writes, auth_tools=auth, lacking=lacking))
+    return play(env, task, play_policy, max_moves=3 * len(task.gold_actions) + 2 * MAX_CLOSINGS + 4)
+
+
+def gold_adversaries(*, write_tools: frozenset[str], auth_tools: frozenset[str] = frozenset()) -> dict[str, Policy]:
+    """Adversarial agents built on the gold replay (plus ``envs.expert.GENERIC_ADVERSARIES``):
+    ``echo_tool_results`` makes the gold calls but tells the user only the last tool result,
+    verbatim; ``write_without_asking`` makes every gold write at once (no lookups, no confirmation)
+    and says "Done."."""
+
+    def echo(task: Task, messages: list[Message]) -> Move | None:
+        move = gold_next_move(task, messages, write_tools=write_tools, auth_tools=auth_tools)
+        if move is None or move.call is not None:
+            return move
+        last = next((m["content"] for m in reversed(messages) if m.get("role") == "tool"), "")
+        return Move(move.kind, move.intent, text=f"{last} {ASK_CONFIRM if move.kind == 'propose' else CLOSING}")
+
+    def write_without_asking(task: Task, messages: list[Message]) -> Move | None:
+        seen = Conversation.read(messages)
+        for action in task.gold_actions:
+            if action["name"] in write_tools and not any(c.name == action["name"] and c.arguments == action["arguments"]
+                                                         for _, c in seen.calls):
+                return Move("write", call={"name": action["name"], "arguments": copy.deepcopy(action["arguments"])})
+        return None if any(t == "Done." for _, t in seen.texts) else Move("report", text="Done.")
+
+    return {"echo_tool_results": echo, "write_without_asking": write_without_asking, **GENERIC_ADVERSARIES}
 
 
 def extract_tau2_text(structured: Any, text: str) -> str:

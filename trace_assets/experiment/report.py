@@ -4,8 +4,8 @@ the forest plot, ``reports/experiment.md`` and the README's results section.
 :func:`build_report` turns per-seed, per-task outcomes into a JSON-able dict (the one source of
 every number downstream); :func:`report_markdown` renders it for ``reports/experiment.md`` and the
 asset metadata; :func:`forest_png` draws it; :func:`readme_section` renders the README's results
-section from the same dict, between :data:`README_BEGIN` and :data:`README_END`, and
-:func:`splice_readme` puts it into a README text. All of them are pure.
+section from the same dict, which ``trace readme`` splices between ``<!-- experiment:begin -->``
+and ``<!-- experiment:end -->`` (``trace_assets.reports.splice``). All of them are pure.
 
 System names (as ``route.evaluation`` writes them): :data:`BASE`, :data:`TRACE` (routed by the
 configured router), ``oracle``, every adapter alone, its null control ``null:<adapter>``,
@@ -30,7 +30,8 @@ CONTRASTS = ((TRACE, BASE), (TRACE, GRPO), (TRACE, ABLATION), (ORACLE, TRACE))
 first, then isolation against reward shaping, then what routing leaves on the table."""
 LABELS = {BASE: "base", TRACE: "TRACE routed", ORACLE: "oracle routing", GRPO: "GRPO on target",
           ABLATION: "GRPO on target families, binary reward"}
-README_BEGIN, README_END = "<!-- experiment:begin -->", "<!-- experiment:end -->"
+README_SECTION = "experiment"
+"""The README's generated section this report fills (``trace_assets.reports.splice``)."""
 REPORT_VERSION = 1
 
 
@@ -162,9 +163,9 @@ def forest_png(report: dict[str, Any]) -> bytes:
 
 
 def readme_section(report: dict[str, Any], *, figure: str = "docs/experiment_forest.png") -> str:
-    """The README's results section, generated from the report (never typed by hand), with its markers."""
+    """The body of the README's results section, generated from the report (never typed by hand)."""
     headline = {(c["a"], c["b"]): c for c in report["contrasts"]}
-    lines = [README_BEGIN, "## Experiment results", "",
+    lines = ["## Experiment results", "",
              "_Generated from `reports/experiment.md` by `trace_assets.experiment.report.readme_section`; do not edit by hand._",
              "", _protocol(report), "", to_markdown(systems_table(report), float_precision=1), "", to_markdown(contrasts_table(report), float_precision=1)
              if report["contrasts"] else "_no paired differences_", ""]
@@ -174,16 +175,5 @@ def readme_section(report: dict[str, Any], *, figure: str = "docs/experiment_for
             verdict = "excludes zero" if c["excludes_zero"] else "includes zero: not resolved"
             lines.append(f"- {c['label']}: {100 * c['estimate']:+.1f} points, interval "
                          f"[{100 * c['low']:+.1f}, {100 * c['high']:+.1f}] ({verdict}).")
-    lines += ["", f"![forest plot]({figure})", README_END]
+    lines += ["", f"![forest plot]({figure})"]
     return "\n".join(lines)
-
-
-def splice_readme(readme: str, section: str) -> str:
-    """``readme`` with the text between (and including) its markers replaced by ``section``; a
-    README without the markers gets the section appended. Raises on a broken pair of markers."""
-    begin, end = readme.find(README_BEGIN), readme.find(README_END)
-    if begin == -1 and end == -1:
-        return readme.rstrip("\n") + "\n\n" + section + "\n"
-    if begin == -1 or end == -1 or end < begin or readme.count(README_BEGIN) > 1 or readme.count(README_END) > 1:
-        raise ValueError("the README's experiment markers are broken: need exactly one begin before one end")
-    return readme[:begin] + section + readme[end + len(README_END):]

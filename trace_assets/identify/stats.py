@@ -21,7 +21,7 @@ import math
 import random
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import duckdb
@@ -109,12 +109,17 @@ def aggregate(run_stats: pl.DataFrame) -> pl.DataFrame:
 class SelectionRule:
     """How C* is chosen. ``method``: ``threshold`` (Delta >= delta) or ``ztest`` / ``bootstrap``
     (Delta significantly > 0 at level ``alpha``, a data-driven alternative to a fixed delta).
-    Cov >= rho and K-of-N apply to every method."""
+    Cov >= rho and K-of-N apply to every method.
+
+    Also the ``[selection]`` settings section. There N and K are left open (``runs = 0``): N is the
+    analyst's (``[analyst] runs``), and :meth:`for_analyst` fills both in."""
 
     delta: float = 0.20
     rho: float = 0.10
     runs: int = 1
+    """N, the labelling runs; 0 = not known yet (the settings section), see :meth:`for_analyst`."""
     min_runs_passed: int = 1
+    """K; 0 with ``runs = 0`` = the analyst's default (:meth:`for_analyst`)."""
     method: str = "threshold"
     alpha: float = 0.05
     bootstrap_samples: int = 2000
@@ -128,8 +133,20 @@ class SelectionRule:
             raise ValueError(f"max_selected must be >= 0, not {self.max_selected}")
         if self.method not in ("threshold", "ztest", "bootstrap"):
             raise ValueError(f"selection method {self.method!r} must be threshold, ztest or bootstrap")
-        if not 1 <= self.min_runs_passed <= self.runs:
+        if self.runs and not 1 <= self.min_runs_passed <= self.runs:
             raise ValueError(f"need 1 <= K={self.min_runs_passed} <= N={self.runs}")
+        if self.runs < 0 or self.min_runs_passed < 0:
+            raise ValueError(f"N={self.runs} and K={self.min_runs_passed} must be >= 0")
+
+    def for_analyst(self, kind: str, runs: int) -> "SelectionRule":
+        """This rule for ``runs`` labelling runs (N) of a ``kind`` analyst. K = 0 takes the default:
+        1 for the deterministic ``heuristic`` analyst, min(8, N) for an LLM analyst (the paper's 8
+        of 10)."""
+        if self.runs and self.runs != runs:
+            raise ValueError(f"the selection rule's N={self.runs} is not the analyst's {runs} runs: "
+                             "N is set by [analyst] runs")
+        k = self.min_runs_passed or (1 if kind == "heuristic" else min(8, runs))
+        return replace(self, runs=runs, min_runs_passed=k)
 
 
 def ztest_pvalue(lacking_f: int, present_f: int, lacking_p: int, present_p: int) -> float:
@@ -180,6 +197,8 @@ def select(rule: SelectionRule, run_stats: pl.DataFrame) -> pl.DataFrame:
     the label-completeness check is what guards against missing runs. With ``rule.max_selected``
     only the top passing capabilities by mean Delta stay ``selected``; the others get ``deferred``.
     """
+    if not rule.runs:
+        raise ValueError("the selection rule's N and K are not set: use rule.for_analyst(kind, runs)")
     rows = []
     for capability, group in run_stats.sort("run").group_by("capability", maintain_order=True):
         runs = group.to_dicts()

@@ -41,9 +41,7 @@ def greedy_rollout_config(settings):
     """The evaluation's episodes: greedy, with the ``[rollout]`` limits (what ``base_trajectories`` plays)."""
     from trace_assets.agent.rollout import RolloutConfig
 
-    r = settings.rollout
-    return RolloutConfig(max_steps=r.max_steps, max_new_tokens=r.max_new_tokens,
-                         max_context_tokens=r.max_context_tokens, max_errors=r.max_errors, temperature=0.0, seed=r.seed)
+    return RolloutConfig.from_limits(settings.rollout, temperature=0.0, seed=settings.rollout.seed)
 
 
 def adapter_rollouts(adapter: dict[str, Any]) -> int:

@@ -3,13 +3,16 @@
 Modules: ``spec`` (the EnvSpec JSON document: schema, fidelity, hash), ``rubric`` (weighted checks with
 partial credit), ``env`` (``SyntheticEnv`` / ``SyntheticEpisode``: the spec interpreted on the target's
 machinery), ``template`` (offline default synthesizer), ``llm_synth`` (LLM synthesizer with bounded
-repair), ``validate`` (fidelity, gold-solvability, calibration, isolation against ablated experts).
+repair), ``validate`` (fidelity, gold-solvability, calibration, isolation against ablated experts),
+``build`` (synthesize, check, calibrate and isolate, as the ``synthetic_env`` asset does), ``prefix``
+(user environments' decision points: logged trajectories replayed up to their first LACKING step).
 
 A spec is data, never code: nothing in it is evaluated or executed.
 """
 
 from trace_assets.synthesize.env import SyntheticEnv, SyntheticEpisode
 from trace_assets.synthesize.llm_synth import SynthesisError, llm_spec
+from trace_assets.synthesize.prefix import LoggedPrefixEnv, PrefixError, StepLabel, logged_prefixes
 from trace_assets.synthesize.spec import SpecError, envspec_schema, fidelity, load_spec, schema_errors, spec_hash, validate_spec
 from trace_assets.synthesize.template import template_spec
 from trace_assets.synthesize.validate import (
@@ -25,8 +28,8 @@ from trace_assets.synthesize.validate import (
 )
 
 __all__ = [
-    "CALIBRATION_OFFSET", "CalibrationReport", "SpecError", "SynthesisError", "SyntheticEnv", "SyntheticEpisode", "calibrate",
-    "calibration_rollout_seed", "check_spec", "envspec_schema", "fidelity", "gold_solvable", "isolation_heatmap", "isolation_markdown",
-    "isolation_matrix", "llm_spec", "load_spec",
+    "CALIBRATION_OFFSET", "CalibrationReport", "LoggedPrefixEnv", "PrefixError", "SpecError", "StepLabel", "SynthesisError",
+    "SyntheticEnv", "SyntheticEpisode", "calibrate", "calibration_rollout_seed", "check_spec", "envspec_schema", "fidelity",
+    "gold_solvable", "isolation_heatmap", "isolation_markdown", "isolation_matrix", "llm_spec", "load_spec", "logged_prefixes",
     "schema_errors", "spec_hash", "template_spec", "validate_spec",
 ]

@@ -7,21 +7,20 @@ Contract (base.Environment / base.Episode, exactly):
   target's order; ``system_prompt()`` is the target's (the policy is always inherited);
   ``families()`` are the spec's families, in spec order.
 * ``make_task(family, seed)`` is pure. ``seed`` must lie in the spec's ``seed_range`` (which lies at or
-  above ``SYNTHETIC_SEED_BASE``). The target task ``target.make_task(family, seed)`` is the base; then,
-  each from its own seeded stream (so turning one knob never reshuffles another):
-  the user's id method (``scenario.name_zip_share``), a declined last write (``scenario.decline_share``;
-  the gold drops that write), identity volunteered in the opening (``difficulty.volunteer_identity``),
-  extra distractor orders on the user's account (``difficulty.distractor_orders``) and whether the hint
-  is shown (``difficulty.hint_share``; ``task.meta["hinted"]``). ``gold_actions`` and
-  ``expected_state_hash`` (a replay of the gold on the perturbed database) follow the perturbations.
+  above ``SYNTHETIC_SEED_BASE``). The target makes the task (its ``synthetic_task`` hook: a task of
+  that family for that seed, perturbed by the scenario and difficulty knobs it interprets, e.g.
+  retail's id method, declined write, volunteered identity and distractor orders; see
+  ``envs.retail.synthetic`` and ``envs.mcp.McpEnv.synthetic_task``); the hint is this environment's
+  own knob: shown when ``difficulty.hint_share`` says so (``task.meta["hinted"]``), from its own
+  seeded stream (``splits.synthetic_draw``), so turning one knob never reshuffles another.
 * ``start(task)`` returns a :class:`SyntheticEpisode` that delegates the conversation to a target
   episode (tools outside the spec's subset answer ``"Error: unknown tool ..."``) and scores it with the
   rubric. ``result().info`` keeps every key of the target's info (so the Step-1 heuristic analyst can
   label synthetic rollouts) and adds ``rubric``, ``rubric_reward``, ``target_reward``,
   ``target_success``, ``capability``, ``hinted`` and ``spec_hash``. ``success = reward >=
   rubric.success_threshold`` (default 1.0).
-* Decision points (``spec.start``): ``start(task)`` plays the target's scripted expert
-  (``envs.retail.expert.next_move``, deterministic from the task) in the episode up to, not including,
+* Decision points (``spec.start``): ``start(task)`` plays the target's scripted expert (its
+  ``next_move`` hook, deterministic from the task) in the episode up to, not including,
   its first move of a kind in ``start.before`` (and of ``start.intent`` / ``start.tool`` when given).
   ``initial_messages()`` then returns the system message, the user's opening and that prefix: the
   rollout runner renders it all as the first prompt (env_mask 0, inside ``prompt_len``), so the
@@ -37,11 +36,14 @@ Contract (base.Environment / base.Episode, exactly):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import random
 from typing import Any
 
 from trace_assets.envs.base import Environment, EpisodeResult, Message, Task, jsonable, target_hook
+from trace_assets.envs.expert import play_move
+from trace_assets.envs.splits import synthetic_draw
 from trace_assets.synthesize.rubric import CallRecord, Trace, evaluate, text_slots
 from trace_assets.synthesize.spec import (
     difficulty_of,
@@ -54,92 +56,15 @@ from trace_assets.synthesize.spec import (
 )
 
 HINT_PREFIX = "Hint: "
-_COMPLEXITY_PROBE_SEEDS = (0, 1, 2)
 _complexity_cache: dict[tuple[str, str], float] = {}
 
 
 def family_complexity(target_env: Environment, family: str) -> float:
-    """Mean (gold actions + intents) of a few target tasks: the ordering ``family_bias`` tilts by."""
+    """The target's complexity of ``family`` (its ``family_complexity`` hook), cached per process."""
     key = (target_env.name, family)
     if key not in _complexity_cache:
-        tasks = [target_env.make_task(family, s) for s in _COMPLEXITY_PROBE_SEEDS]
-        _complexity_cache[key] = sum(len(t.gold_actions) + len(t.scenario.get("intents", [])) for t in tasks) / len(tasks)
+        _complexity_cache[key] = float(target_hook(target_env, "family_complexity")(family))
     return _complexity_cache[key]
-
-
-def _uniform(knob: str, family: str, seed: int) -> float:
-    return random.Random(f"synthetic/{knob}/{family}/{seed}").random()
-
-
-def _auth_action(scenario: dict[str, Any]) -> dict[str, Any]:
-    if scenario["id_method"] == "name_zip":
-        return {"name": "find_user_id_by_name_zip", "arguments": {
-            "first_name": scenario["first_name"], "last_name": scenario["last_name"], "zip": scenario["zip"]}}
-    return {"name": "find_user_id_by_email", "arguments": {"email": scenario["email"]}}
-
-
-def _identity_sentence(scenario: dict[str, Any]) -> str:
-    if scenario["id_method"] == "name_zip":
-        return f"My name is {scenario['first_name']} {scenario['last_name']} and my zip code is {scenario['zip']}."
-    return f"My email is {scenario['email']}."
-
-
-def _distractor_orders(db: Any, scenario: dict[str, Any], n: int, family: str, seed: int) -> list[dict[str, Any]]:
-    """``n`` extra orders for the task's user: same products as the target order where possible."""
-    if n <= 0:
-        return []
-    rng = random.Random(f"synthetic/distractors/{family}/{seed}")
-    user = db.users[scenario["user_id"]]
-    target_oid = next((i.get("order_id") for i in scenario["intents"] if i.get("order_id")), None)
-    target_products = sorted({it["product_id"] for it in db.orders[target_oid]["items"]}) if target_oid else []
-    all_products = sorted(db.products)
-    used_oid = {int(oid[1:]) for oid in db.orders}
-    used_trk = {int(o["tracking_id"][1:]) for o in db.orders.values() if o.get("tracking_id")}
-    out = []
-    for _ in range(n):
-        oid = _fresh(rng, 1000, 9999, used_oid)
-        pids = [rng.choice(target_products or all_products)]
-        if rng.random() < 0.5:
-            pids.append(rng.choice([p for p in all_products if p not in pids]))
-        items = []
-        for pid in pids:
-            product = db.products[pid]
-            variant = product["variants"][rng.choice(sorted(product["variants"]))]
-            items.append({"item_id": variant["item_id"], "product_id": pid, "name": product["name"],
-                          "options": dict(variant["options"]), "price": variant["price"]})
-        status = rng.choice(["pending", "processed", "delivered"])
-        tracking = None
-        if status == "delivered":
-            tracking = _fresh(rng, 100000, 999999, used_trk)
-        out.append({"order_id": f"W{oid}", "user_id": user["user_id"], "status": status, "items": items,
-                    "address": dict(user["address"]), "payment_method_id": rng.choice(sorted(user["payment_methods"])),
-                    "tracking_id": f"T{tracking}" if tracking else None, "refunds": []})
-    return out
-
-
-def _fresh(rng: random.Random, low: int, high: int, used: set[int]) -> int:
-    while True:  # deterministic retry, as in the target's own id generator
-        value = rng.randint(low, high)
-        if value not in used:
-            used.add(value)
-            return value
-
-
-def apply_distractors(db: Any, orders: list[dict[str, Any]]) -> None:
-    """Insert distractor orders into a retail database in place (same order every time)."""
-    for order in orders:
-        db.orders[order["order_id"]] = copy.deepcopy(order)
-        db.users[order["user_id"]]["orders"].append(order["order_id"])
-
-
-def _instruction(scenario: dict[str, Any]) -> str:
-    s = scenario
-    requests = " ".join(
-        f"({i}) {intent['request']}" + ("" if intent["confirm"] else " When asked to confirm this one, say no.")
-        for i, intent in enumerate(s["intents"], 1)
-    )
-    tail = " Confirm when asked." if all(i["confirm"] for i in s["intents"]) else ""
-    return f"You are {s['first_name']} {s['last_name']} (email {s['email']}, zip {s['zip']}). Your requests, in order: {requests}{tail}"
 
 
 class SyntheticEpisode:
@@ -176,8 +101,7 @@ class SyntheticEpisode:
 
     def _play_prefix(self, start: dict[str, Any]) -> None:
         """The expert's conversation up to the decision point (see the module docstring)."""
-        from trace_assets.envs.retail.expert import next_move, play_move
-
+        next_move = target_hook(self.env.target, "next_move")
         before, intent, tool = set(start["before"]), start.get("intent"), start.get("tool")
         messages = self._opening()
         opening = len(messages)
@@ -304,51 +228,17 @@ class SyntheticEnv:
         if not (isinstance(seed, int) and start <= seed < end):
             raise ValueError(f"seed {seed} is outside {self.name}'s seed range [{start}, {end})")
         write_tools = target_hook(self.target, "tool_classes")()["write"]
-        base = self.target.make_task(family, seed)
-        scenario = copy.deepcopy(base.scenario)
-        intents = scenario["intents"]
-        intent_actions = copy.deepcopy(base.meta["intent_actions"])
-        meta: dict[str, Any] = {"target_task_id": base.task_id, "capability": self.capability,
-                                "spec_hash": self.spec_hash}
-
-        share = self.scenario["name_zip_share"]
-        if share is not None:
-            scenario["id_method"] = "name_zip" if _uniform("id_method", family, seed) < share else "email"
-        writes = [i for i, intent in enumerate(intents) if intent["tool"] is not None and intent["confirm"]]
-        declined = bool(writes) and _uniform("decline", family, seed) < self.scenario["decline_share"]
-        if declined:
-            intents[writes[-1]]["confirm"] = False  # the expert still proposes it; the user says no
-        gold = [_auth_action(scenario)] + [
-            action for intent, group in zip(intents, intent_actions) for action in group
-            if intent["confirm"] or action["name"] not in write_tools
-        ]
-        volunteered = _uniform("volunteer", family, seed) < self.difficulty["volunteer_identity"]
-        if volunteered:
-            scenario["opening"] = f"Hi! {_identity_sentence(scenario)} {intents[0]['request']}"
-        hinted = bool(self.spec.get("hint")) and _uniform("hint", family, seed) < self.difficulty["hint_share"]
-
-        db = target_hook(self.target, "generate_db")(seed)
-        distractors = _distractor_orders(db, scenario, int(self.difficulty["distractor_orders"]), family, seed)
-        if distractors or declined:
-            apply_distractors(db, distractors)
-            expected = target_hook(self.target, "replay_state")(db, gold)
-        else:  # the authentication call never changes the state
-            expected = base.expected_state_hash
-        meta.update({"intent_actions": intent_actions,
-                     "gold_writes": [a["name"] for a in gold if a["name"] in write_tools],
-                     "hinted": hinted, "volunteered": volunteered, "declined": declined,
-                     "id_method": scenario["id_method"], "distractor_orders": distractors})
-        return Task(
-            task_id=f"{self.name}/{family}/{seed}", env=self.name, family=family, seed=seed,
-            instruction=_instruction(scenario), scenario=scenario, gold_actions=gold,
-            required_info=list(base.required_info), expected_state_hash=expected, meta=meta,
-        )
+        knobs = {"scenario": self.scenario, "difficulty": self.difficulty}
+        base = target_hook(self.target, "synthetic_task")(family, seed, **copy.deepcopy(knobs))
+        hinted = bool(self.spec.get("hint")) and synthetic_draw("hint", family, seed) < self.difficulty["hint_share"]
+        meta = {"target_task_id": base.task_id, "capability": self.capability, "spec_hash": self.spec_hash,
+                **base.meta, "gold_writes": [a["name"] for a in base.gold_actions if a["name"] in write_tools],
+                "hinted": hinted}
+        return dataclasses.replace(base, task_id=f"{self.name}/{family}/{seed}", env=self.name, family=family,
+                                   seed=seed, meta=meta)
 
     def start(self, task: Task) -> SyntheticEpisode:
-        target_episode = self.target.start(task)
-        if task.meta.get("distractor_orders"):
-            apply_distractors(target_episode.session.db, task.meta["distractor_orders"])
-        return SyntheticEpisode(self, task, target_episode)
+        return SyntheticEpisode(self, task, self.target.start(task))
 
     # ---- sampling ------------------------------------------------------------------------
 

@@ -23,7 +23,8 @@ from importlib import resources
 from string import Template
 from typing import Any
 
-from trace_assets.envs.base import Environment
+from trace_assets.envs.base import Environment, target_hook
+from trace_assets.envs.expert import MOVE_KINDS
 from trace_assets.envs.splits import SYNTHETIC_SEED_BASE
 from trace_assets.llm_client import ChatClient, LLMError, complete_json, extract_json
 from trace_assets.synthesize.env import family_complexity
@@ -66,8 +67,6 @@ def _failure_lines(failed: Iterable[dict[str, Any]]) -> str:
 
 
 def render_prompt(capability: dict[str, Any], target_env: Environment, failed_trajectories: Iterable[dict[str, Any]] = ()) -> str:
-    from trace_assets.envs.retail.expert import ABLATIONS, MOVE_KINDS
-
     other = "confirm_before_writing" if capability["name"] != "confirm_before_writing" else "communicate_results"
     example = template_spec({"name": other, "description": f"An example: {other}."}, target_env)
     tools = "\n".join(f"- {s['function']['name']}: {s['function'].get('description', '')}" for s in target_env.tool_schemas())
@@ -81,7 +80,7 @@ def render_prompt(capability: dict[str, Any], target_env: Environment, failed_tr
         tools=tools,
         groups=", ".join(GROUPS),
         move_kinds=", ".join(MOVE_KINDS),
-        ablations="; ".join(f"lacking {k}: {v}" for k, v in ABLATIONS.items()),
+        ablations="; ".join(f"lacking {k}: {v}" for k, v in target_hook(target_env, "ablations")().items()) or "(none)",
         families=families,
         seed_base=SYNTHETIC_SEED_BASE,
         schema=json.dumps(envspec_schema(), separators=(",", ":")),
@@ -121,9 +120,7 @@ def llm_spec(capability: dict[str, Any], target_env: Environment, client: ChatCl
              failed_trajectories: Iterable[dict[str, Any]] = (), max_retries: int = 2,
              solvable_seeds: int = 2, isolation_seeds: int = 2, max_tokens: int = 3000) -> tuple[dict[str, Any], list[str]]:
     """A validated spec written by the endpoint, and the rejection reasons of earlier attempts."""
-    from trace_assets.envs.retail.expert import ABLATIONS
-
-    has_ablation = capability["name"] in ABLATIONS
+    has_ablation = capability["name"] in target_hook(target_env, "ablations")()
     failed = list(failed_trajectories)
     prompt = render_prompt(capability, target_env, failed)
     recorder = _Recorder(client)

@@ -13,7 +13,7 @@ Contract:
   checks judge only what the agent did after it (calls from ``Trace.prefix_calls`` on, ``said``,
   ``violations`` and ``confirmations`` are the agent's own); the prefix's observations still
   ground arguments and its authentication still counts for ``ordering``.
-* What the agent *said* is read through :func:`~trace_assets.envs.retail.env.spoken_text`: tool
+* What the agent *said* is read through :func:`~trace_assets.envs.base.spoken_text`: tool
   output pasted into a message (verbatim, or any JSON object) tells the user nothing.
 * Pure: it reads the trace and the task, never changes them, and runs nothing from the spec.
 """
@@ -24,8 +24,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trace_assets.envs.base import Task
-from trace_assets.envs.retail.env import spoken_text
+from trace_assets.envs.base import Task, spoken_text
 from trace_assets.synthesize.spec import fill_text, selector_tools
 
 

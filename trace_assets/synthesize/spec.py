@@ -84,11 +84,13 @@ def schema_errors(spec: Any) -> list[str]:
 
 
 def tool_groups(target_env: Environment) -> dict[str, frozenset[str]]:
-    """The tool groups rubric selectors may name, derived from the target's own tool tables."""
+    """The tool groups rubric selectors may name, from the target's tool classes (its
+    ``tool_classes`` hook); a target without that hook cannot carry a synthetic environment."""
     names = [s["function"]["name"] for s in target_env.tool_schemas()]
-    if target_env.name != "retail":  # only the retail target is supported (see the schema's target.env)
-        raise SpecError([f"target environment {target_env.name!r} is not supported; only 'retail'"])
-    classes = target_hook(target_env, "tool_classes")()
+    try:
+        classes = target_hook(target_env, "tool_classes")()
+    except NotImplementedError as exc:
+        raise SpecError([str(exc)]) from None
 
     return {
         "@auth": frozenset(classes["auth"]),
@@ -211,9 +213,32 @@ def fidelity(spec: dict[str, Any], target_env: Environment) -> list[str]:
             if params and arg not in params:
                 problems.append(f"{where}: argument {arg!r} is not a parameter of {sorted(tool_names)}")
     difficulty = spec.get("difficulty") or {}
+    problems += unsupported_knobs(spec, target_env)
     if difficulty.get("hint_share", 0) > 0 and not spec.get("hint"):
         problems.append("difficulty.hint_share > 0 but there is no hint text")
     return problems
+
+
+def unsupported_knobs(spec: dict[str, Any], target_env: Environment) -> list[str]:
+    """A problem for each scenario or difficulty knob the spec moves off its default although the
+    target does not interpret it (its ``synthesis_knobs`` hook): a knob without effect would let the
+    calibrator believe it changed the difficulty."""
+    try:
+        supported = target_hook(target_env, "synthesis_knobs")()
+    except NotImplementedError as exc:
+        return [str(exc)]
+    scenario = (spec.get("tasks") or {}).get("scenario") or {}
+    difficulty = spec.get("difficulty") or {}
+    moved = [(f"tasks.scenario.{k}", v) for k, v in scenario.items() if k in DEFAULT_SCENARIO and v != DEFAULT_SCENARIO[k]]
+    moved += [(f"difficulty.{k}", v) for k, v in difficulty.items() if k in KNOBS and v != DEFAULT_DIFFICULTY[k]]
+    return [f"{where} = {value!r} has no effect on target {target_env.name!r}; it interprets only "
+            f"{sorted(supported)} (leave it at its default and list it in difficulty.frozen)"
+            for where, value in moved if where.rpartition(".")[2] not in supported]
+
+
+def fixed_knobs(target_env: Environment) -> frozenset[str]:
+    """The difficulty knobs the target does not interpret: the calibrator leaves them alone."""
+    return frozenset(k for k in KNOBS if k not in target_hook(target_env, "synthesis_knobs")())
 
 
 # ---- loading, hashing, normalised views --------------------------------------------------------

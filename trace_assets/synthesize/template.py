@@ -19,6 +19,12 @@ name gets a generic spec (all families, whole episodes, balanced rubric). Choice
   guarded by ``when`` so each one applies only to tasks where it is satisfiable (the expert reaches
   reward 1 on every family).
 * difficulty: a middle start for the calibrator.
+
+Those plans are the retail target's. A target whose tasks are a fixed list (``official_splits``,
+e.g. ``tau2_airline``) gets plans derived from its official train tasks instead (see
+:func:`_task_list_plans`: confirm, execute, carry on to the next write, communicate); every other
+capability there gets the generic spec, whose isolation can only be measured the weaker way (the
+gold-replay expert has no ablation for it: ``envs.tau2.NO_ABLATION``).
 """
 
 from __future__ import annotations
@@ -29,9 +35,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from trace_assets.envs.base import Environment
+from trace_assets.envs.base import Environment, target_hook
 from trace_assets.envs.splits import SYNTHETIC_SEED_BASE
-from trace_assets.synthesize.spec import SCHEMA_VERSION
+from trace_assets.synthesize.spec import DEFAULT_DIFFICULTY, SCHEMA_VERSION, fixed_knobs, tool_groups
 
 TEMPLATE_VERSION = "v2"
 """Bump when the plans below change: part of the synthesizer's code version."""
@@ -150,6 +156,63 @@ _PLANS: dict[str, Plan] = {
     ),
 }
 
+# A target whose tasks are a fixed list (``official_splits``: tau2-bench's airline) has no task
+# generator to aim at a decision point, so its plans are derived from its official train tasks: a
+# plan lists the families where its decision point exists in every train task (a gold write; a
+# second gold write), and the communicate plan weights families by their share of tasks with
+# something to tell (the others score "nothing to say"; isolation counts only where the ablation
+# acts). Knobs the target does not interpret (``synthesis_knobs``) are frozen at their defaults.
+_TASK_LIST_HINTS = {
+    "confirm_before_writing": _PLANS["confirm_before_writing"].hint,
+    "execute_requested_action": _PLANS["execute_requested_action"].hint,
+    "complete_multistep_transactions": "When the user wants several changes, propose and make the next one "
+                                       "instead of closing the conversation.",
+    "communicate_results": "Tell the user the concrete outcome in your own words: amounts, refunds and other numbers.",
+}
+
+
+def _task_list_difficulty(target_env: Environment) -> dict[str, Any]:
+    """The middle start, with the knobs the target does not interpret at their defaults, frozen."""
+    fixed = sorted(fixed_knobs(target_env))
+    return {**MIDDLE, **{k: DEFAULT_DIFFICULTY[k] for k in fixed}, "frozen": fixed}
+
+
+def _task_list_plans(target_env: Environment) -> dict[str, Plan]:
+    train = target_env.official_splits()["train"]
+    writes = target_hook(target_env, "tool_classes")()["write"]
+    by_family: dict[str, list[Any]] = {}
+    for task in train:
+        by_family.setdefault(task.family, []).append(task)
+    n_writes = lambda t: sum(a["name"] in writes for a in t.gold_actions)  # noqa: E731
+    writing = {f: 1.0 for f, ts in by_family.items() if all(n_writes(t) >= 1 for t in ts)}
+    several = {f: 1.0 for f, ts in by_family.items() if all(n_writes(t) >= 2 for t in ts)}
+    telling = {f: round(sum(bool(t.required_info) for t in ts) / len(ts), 4) for f, ts in by_family.items()}
+    telling = {f: w for f, w in telling.items() if w > 0}
+    difficulty = _task_list_difficulty(target_env)
+    plans = {}
+    if writing:
+        plans["confirm_before_writing"] = Plan(
+            writing, {"before": ["propose", "write"], "intent": 0}, {"after_call": "@write", "max_actions": 4},
+            [_check("confirmed_writes", "no_policy_violation", 3, rules=["confirm_before_write"]),
+             _check("asked", "asked_confirmation", 2)], _TASK_LIST_HINTS["confirm_before_writing"], difficulty)
+        plans["execute_requested_action"] = Plan(
+            writing, {"before": ["write"], "intent": 0}, {"after_call": "@write", "ok_only": True, "max_actions": 3},
+            [_check("performed", "required_call", 3, tool="@write"),
+             _check("confirmed_writes", "no_policy_violation", 1, rules=["confirm_before_write"])],
+            _TASK_LIST_HINTS["execute_requested_action"], difficulty)
+    if several:  # carrying on: proposing the next write (or making it) rather than closing
+        plans["complete_multistep_transactions"] = Plan(
+            several, {"before": ["propose", "write"], "intent": 1}, {"after_call": "@write", "max_actions": 3},
+            [_check("continued", "asked_confirmation", 2, or_wrote=True)],
+            _TASK_LIST_HINTS["complete_multistep_transactions"], difficulty)
+    if telling:
+        plans["communicate_results"] = Plan(
+            telling, {"before": ["report"]}, {"after_reply": True, "max_actions": 3},
+            [_check("told_user", "info_communicated", 3, info="required", partial=True)],
+            _TASK_LIST_HINTS["communicate_results"], difficulty)
+    return plans
+
+
 _GENERIC_CHECKS = [STATE, INFO, AUTH_FIRST, _check("no_violation", "no_policy_violation", 1)]
 _GENERIC_HINT = "Follow the policy step by step: authenticate, look up, confirm, act, and report the outcome."
 
@@ -174,14 +237,22 @@ def template_spec(capability: dict[str, Any], target_env: Environment, *,
                   failed_trajectories: Iterable[dict[str, Any]] = ()) -> dict[str, Any]:
     """A valid EnvSpec for ``capability`` ({name, description, failure_modes}) on ``target_env``."""
     name = capability["name"]
-    known = target_env.families()
-    plan = copy.deepcopy(_PLANS.get(name))
+    task_list = getattr(target_env, "official_splits", None) is not None
+    if task_list:  # synthetic tasks come from the official train tasks only
+        known = [f for f in target_env.families() if any(t.family == f for t in target_env.official_splits()["train"])]
+        plans = _task_list_plans(target_env)
+    else:
+        known, plans = target_env.families(), _PLANS
+    plan = copy.deepcopy(plans.get(name))
     if plan is not None:
         base, checks, hint, difficulty, scenario = plan.families, plan.checks, plan.hint, plan.difficulty, plan.scenario
     else:  # no decision point known: the whole target episode, a balanced rubric
         base = {f: 1.0 for f in known}
         checks, hint = copy.deepcopy(_GENERIC_CHECKS), _GENERIC_HINT
-        difficulty, scenario = copy.deepcopy(MIDDLE), copy.deepcopy(TARGET_SCENARIO)
+        if not tool_groups(target_env)["@account"]:  # nothing needs authentication: ordering could not fail
+            checks = [c for c in checks if c["id"] != AUTH_FIRST["id"]]
+        difficulty = _task_list_difficulty(target_env) if task_list else copy.deepcopy(MIDDLE)
+        scenario = copy.deepcopy(TARGET_SCENARIO)
     counts = _failure_families(failed_trajectories, name, known)
     total = sum(counts.values())
     weights = dict(base)

@@ -1,8 +1,8 @@
 """Validation of a synthetic environment: fidelity, gold-solvability, calibration and isolation.
 
 * :func:`fidelity` (from ``spec``): problems that make a spec unfaithful to the target; [] = pass.
-* :func:`gold_solvable`: plays the target's scripted expert (``expert.demonstrate``, which asks for
-  identity, looks up, proposes, asks for confirmation and reports amounts) on tasks of every spec
+* :func:`gold_solvable`: plays the target's scripted expert (its ``expert`` hook: retail's asks for
+  identity, looks up, proposes, asks for confirmation and reports amounts; tau2's replays the gold) on tasks of every spec
   family through a :class:`SyntheticEnv`, and reports each task whose rubric reward stays below 1.0
   (an unsatisfiable rubric, a tool subset that lacks a gold tool, ...). [] = pass.
 * :func:`calibrate`: rolls out ``seeds`` tasks x ``k`` samples with the caller's ``rollout_fn`` and
@@ -12,27 +12,30 @@
   start at ``GRPOConfig.seed_offset = 0``), so training never starts on the very tasks the
   difficulty was tuned on; its sampling seeds come from the training seed
   (:func:`calibration_rollout_seed`).
-* :func:`isolation_matrix`: plays the target's expert with each capability ablated
-  (``expert.demonstrate(..., lacking=c')``) and each adversarial scripted agent on the environment's
+* :func:`isolation_matrix`: plays the target's expert with each capability it can be ablated of
+  (its ``ablations`` hook; ``expert(..., lacking=c')``) and each of its adversarial scripted agents on the environment's
   tasks. The environment of c isolates c when the expert lacking c fails it (success at most
   ``bounds[0]`` on the tasks where the ablation changes what the expert does) and the full expert and
   every expert lacking another capability pass it (success at least ``bounds[1]``). This is measured
   against behaviour, not against an analyst's labels (the earlier measure, reward where the Step-1
   heuristic says PRESENT minus where it says LACKING, was circular: the rubric rewards exactly what
-  the heuristic checks). A capability with no ablated expert gets a weaker measure: the full expert
-  must pass and every adversary must score at most ``WEAK_ADVERSARY_BOUND``; ``method`` says which.
+  the heuristic checks). A capability with no ablated expert on this target (retail has one for every
+  heuristic capability; tau2_airline's gold replay only for some, see ``envs.mcp.NO_ABLATION``) gets a
+  weaker measure: the full expert must pass and every adversary must score at most
+  ``WEAK_ADVERSARY_BOUND``; ``method`` says which, and the markdown marks it "(weaker)".
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trace_assets.envs.base import Environment, Task, target_hook
 from trace_assets.synthesize.env import SyntheticEnv
-from trace_assets.synthesize.spec import KNOBS, SpecError, difficulty_of, fidelity, schema_errors
+from trace_assets.synthesize.spec import KNOBS, SpecError, difficulty_of, fidelity, fixed_knobs, schema_errors
 
 __all__ = ["CALIBRATION_OFFSET", "CalibrationReport", "calibrate", "calibration_rollout_seed", "fidelity", "gold_solvable", "isolation_heatmap", "isolation_markdown",
            "isolation_matrix"]
@@ -53,12 +56,17 @@ def gold_solvable(spec: dict[str, Any], target_env: Environment, seeds: int | It
     start, end = env.seed_range
     seed_list = list(range(start, min(end, start + seeds))) if isinstance(seeds, int) else list(seeds)
     problems = []
+    expert = target_hook(target_env, "expert")
+    played: set[str] = set()
     for family in env.families():
         for seed in seed_list:
             where = f"{family}/{seed}"
             try:
                 task = env.make_task(family, seed)
-                _, result = target_hook(target_env, "expert")(task, via=env)
+                if play_key(task) in played:
+                    continue  # a fixed task list draws one task for several seeds: played already
+                played.add(play_key(task))
+                _, result = expert(task, via=env)
             except Exception as exc:  # a gold step the spec makes impossible (e.g. a tool outside the subset)
                 problems.append(f"{where}: the gold solution cannot be played: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
@@ -104,11 +112,12 @@ def _reward(result: Any) -> tuple[float, bool]:
     return float(result.reward), bool(result.success)
 
 
-def _step(spec: dict[str, Any], direction: str) -> dict[str, Any] | None:
-    """``spec`` one notch easier or harder on every free knob; None when no knob can move."""
+def _step(spec: dict[str, Any], direction: str, fixed: frozenset[str] = frozenset()) -> dict[str, Any] | None:
+    """``spec`` one notch easier or harder on every free knob; None when no knob can move. ``fixed``
+    knobs (those the target does not interpret) never move."""
     new = copy.deepcopy(spec)
     difficulty = difficulty_of(new)
-    frozen = set(difficulty.get("frozen", []))
+    frozen = set(difficulty.get("frozen", [])) | set(fixed)
     if not new.get("hint"):
         frozen.add("hint_share")  # no hint text: the share has no effect
     moved = False
@@ -158,6 +167,7 @@ def calibrate(spec: dict[str, Any], target_env: Environment, rollout_fn: Rollout
     volunteered, fewer distractors, weights toward simpler families). Too easy: the reverse.
     """
     low, high = band
+    fixed = fixed_knobs(target_env)
     current = copy.deepcopy(spec)
     report = CalibrationReport(passed=False, spec=current)
     for round_index in range(max_rounds):
@@ -195,7 +205,7 @@ def calibrate(spec: dict[str, Any], target_env: Environment, rollout_fn: Rollout
         if round_index == max_rounds - 1:
             report.reason = f"not calibrated after {max_rounds} rounds (last: mean {mean:.2f}, success {success:.2f}, informative {informative:.2f})"
             return report
-        stepped = _step(current, direction)
+        stepped = _step(current, direction, fixed)
         if stepped is None:
             report.reason = f"every free difficulty knob is at its {'easiest' if direction == 'easier' else 'hardest'} setting and the environment is still too {'hard' if direction == 'easier' else 'easy'}"
             return report
@@ -213,10 +223,30 @@ WEAKER = ("weaker: no ablated expert for this capability; measured instead: the 
           "every adversarial scripted agent scores low")
 
 
-def _play_all(env: SyntheticEnv, tasks: list[Task], **how: Any) -> list[tuple[list[dict[str, Any]], Any]]:
-    from trace_assets.envs.retail.expert import demonstrate
+def play_key(task: Task) -> str:
+    """What a scripted agent's play of ``task`` depends on: the target task, its scenario, gold and
+    expected state (scripted agents never read the system prompt, so a hint changes nothing for
+    them). On a target with a task generator every seed has its own key; on a fixed task list
+    (tau2) several synthetic seeds draw one task and share it."""
+    return json.dumps([task.meta.get("target_task_id", task.task_id), task.scenario, task.gold_actions,
+                       task.required_info, task.expected_state_hash], sort_keys=True, default=str)
 
-    return [demonstrate(env, task, **how) for task in tasks]
+
+def distinct_plays(tasks: list[Task]) -> list[Task]:
+    """``tasks`` without those that would be played exactly like an earlier one (:func:`play_key`)."""
+    seen: set[str] = set()
+    out = []
+    for task in tasks:
+        key = play_key(task)
+        if key not in seen:
+            seen.add(key)
+            out.append(task)
+    return out
+
+
+def _play_all(env: SyntheticEnv, tasks: list[Task], **how: Any) -> list[tuple[list[dict[str, Any]], Any]]:
+    expert = target_hook(env.target, "expert")
+    return [expert(task, via=env, **how) for task in tasks]
 
 
 def _row(name: str, kind: str, played: list[tuple[list[dict[str, Any]], Any]], full: list[tuple[list[dict[str, Any]], Any]]) -> dict[str, Any]:
@@ -244,23 +274,23 @@ def isolation_matrix(spec: dict[str, Any], target_env: Environment, *, seeds: in
     "success_where_acts"}`` where ``n_acts`` counts the tasks on which that agent's conversation
     differs from the full expert's.
     """
-    from trace_assets.envs.retail.expert import ABLATIONS, ADVERSARIES
-
+    ablations = target_hook(target_env, "ablations")()
+    adversaries = target_hook(target_env, "adversaries")()
     env = SyntheticEnv(spec, target_env)
     start, end = env.seed_range
     seed_list = list(range(start, min(end, start + seeds))) if isinstance(seeds, int) else list(seeds)
-    tasks = [env.make_task(family, seed) for family in env.families() for seed in seed_list]
+    tasks = distinct_plays([env.make_task(family, seed) for family in env.families() for seed in seed_list])
     full = _play_all(env, tasks)
     rows = [_row("full", "full", full, full)]
-    rows += [_row(c, "lacking", _play_all(env, tasks, lacking=c), full) for c in ABLATIONS]
-    rows += [_row(a, "adversary", _play_all(env, tasks, policy=p), full) for a, p in ADVERSARIES.items()]
+    rows += [_row(c, "lacking", _play_all(env, tasks, lacking=c), full) for c in ablations]
+    rows += [_row(a, "adversary", _play_all(env, tasks, policy=p), full) for a, p in adversaries.items()]
     low, high = bounds
     name = env.capability
     by = {r["agent"]: r for r in rows}
     problems = []
     if by["full"]["success"] < high:
         problems.append(f"the full expert succeeds on only {by['full']['success']:.2f} < {high}")
-    if name in ABLATIONS:
+    if name in ablations:
         method = ABLATED
         own = by[name]
         if not own["n_acts"]:
@@ -268,12 +298,12 @@ def isolation_matrix(spec: dict[str, Any], target_env: Environment, *, seeds: in
         elif own["success_where_acts"] > low:
             problems.append(f"the expert lacking {name} still succeeds on {own['success_where_acts']:.2f} > {low} "
                             f"of the {own['n_acts']} tasks where it acts differently")
-        for other in ABLATIONS:
+        for other in ablations:
             if other != name and by[other]["success"] < high:
                 problems.append(f"the expert lacking only {other} fails it (success {by[other]['success']:.2f} < {high})")
     else:
         method = WEAKER
-        for adversary in ADVERSARIES:
+        for adversary in adversaries:
             if by[adversary]["success"] > WEAK_ADVERSARY_BOUND:
                 problems.append(f"adversary {adversary} succeeds on {by[adversary]['success']:.2f} > {WEAK_ADVERSARY_BOUND}")
     return {"capability": name, "method": method, "passed": not problems,

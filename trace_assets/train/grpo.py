@@ -78,195 +78,86 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import random
 import shutil
 import time
-import uuid
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from trace_assets.agent.backends import TransformersBackend
 from trace_assets.agent.chat import render
 from trace_assets.agent.lora import (
-    DEFAULT_TARGET_MODULES,
     add_lora,
     autocast,
     bf16_supported,
     lora_config,
     token_logprobs,
 )
-from trace_assets.agent.rollout import Rollout, RolloutConfig, derive_seed, run_rollouts
+from trace_assets.agent.rollout import Rollout, run_rollouts
 from trace_assets.envs.base import Environment
-from trace_assets.paths import swap_in_folder
+from trace_assets.paths import atomic_folder, atomic_write
+from trace_assets.train.config import LORA_INIT, GRPOConfig
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = 1
-LORA_INIT = "seeded-per-layer-v1"
-"""How a fresh adapter is initialized: ``agent.lora.seeded_lora_init`` with ``GRPOConfig.seed``.
-Until 2026-12-01 it was PEFT's init from torch's global RNG (not a function of the seed)."""
-
-
-# ---------------------------------------------------------------- configuration
-
-
-@dataclass(frozen=True)
-class GRPOConfig:
-    """Everything that defines a GRPO run. Profiles: :data:`PAPER`, :data:`DEMO`, :data:`TINY`."""
-
-    iterations: int = 40
-    """At most this many iterations (the paper's limit)."""
-    groups: int = 4
-    """G: tasks (seeds) per iteration."""
-    samples_per_group: int = 8
-    """K: rollouts per task; one advantage group."""
-    learning_rate: float = 1e-5
-    weight_decay: float = 0.0
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float = 1.0
-    """Clip the adapter's gradient norm; 0 disables clipping (the norm is still reported)."""
-    epsilon: float = 0.2
-    """PPO ratio clip: ratios outside [1 - epsilon, 1 + epsilon] get no gradient."""
-    beta: float = 0.0
-    """KL weight against the base (adapter disabled); 0 skips the reference forward."""
-    advantage_eps: float = 1e-4
-    steps_per_iteration: int = 1
-    """Optimizer steps on each iteration's batch."""
-    micro_batch_size: int = 4
-    """At most this many sequences per forward/backward pass."""
-    micro_batch_tokens: int = 6144
-    """And at most this many (padded) tokens per pass: activation memory grows with tokens, about
-    1.5-1.8 GB per 1k tokens for SmolLM2-135M with LoRA in bf16 autocast (measured), so 4 target-env
-    episodes of 4k tokens (~25 GB) killed a 24 GB machine. A longer sequence still goes alone. The
-    loss is the same sum whatever the split."""
-    bf16: bool | None = None
-    """bf16 autocast for the training forward; None = where supported (``bf16_supported``)."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_steps: int = 50
-    """Assistant turns per episode."""
-    max_new_tokens: int = 96
-    max_context_tokens: int = 4096
-    generation_batch_size: int = 32
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
-    swap_hints: bool = False
-    """Re-tokenize hinted episodes with the plain system prompt before the gradient step (trained
-    by :func:`hint_swap_loss`). Off: it is kept only where it measurably beats training hinted
-    episodes as sampled (``benchmarks/hint_swap.py``)."""
-    hint_is_cap: float = 1.0
-    """``c`` of the swapped tokens' truncated importance weight ``min(rho, c)``."""
-    onpolicy_max_abs: float = 0.25
-    """The on-policy guard's bound on ``mean |lp_sampler - lp_trainer|`` (nats per token); 0 disables."""
-    checkpoint_every: int = 1
-    keep_checkpoints: int = 2
-    seed: int = 0
-    seed_offset: int = 0
-    """Training tasks use env seeds from ``seed_offset`` on (keep evaluation seeds elsewhere)."""
-
-    def __post_init__(self) -> None:
-        if self.groups < 1 or self.samples_per_group < 1 or self.iterations < 0:
-            raise ValueError("groups and samples_per_group must be >= 1, iterations >= 0")
-        if self.micro_batch_size < 1 or self.steps_per_iteration < 1 or self.checkpoint_every < 1 or self.micro_batch_tokens < 1:
-            raise ValueError("micro_batch_size, micro_batch_tokens, steps_per_iteration and checkpoint_every must be >= 1")
-        if not 0.0 <= self.epsilon < 1.0:
-            raise ValueError("epsilon must lie in [0, 1)")
-        if self.hint_is_cap <= 0 or self.onpolicy_max_abs < 0:
-            raise ValueError("hint_is_cap must be > 0 and onpolicy_max_abs >= 0")
-
-    def rollout_config(self, iteration: int) -> RolloutConfig:
-        return RolloutConfig(
-            max_steps=self.max_steps, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-            top_p=self.top_p, seed=derive_seed(self.seed, 1_000_000 + iteration),
-            max_context_tokens=self.max_context_tokens,
-        )
-
-    EXECUTION_FIELDS: ClassVar[frozenset[str]] = frozenset(
-        {"micro_batch_size", "micro_batch_tokens", "generation_batch_size", "checkpoint_every", "keep_checkpoints",
-         "onpolicy_max_abs"})
-    """Fields that change how a run executes (memory, batching, checkpoint cadence), not the recipe:
-    the loss is the same sum however it is split (up to float rounding), and batching generation
-    changes at most which random draws a sample gets, not its distribution. The guard's bound only
-    decides whether a run stops, never what it computes."""
-
-    def identity(self) -> dict[str, Any]:
-        """``to_dict()`` without :attr:`EXECUTION_FIELDS`: what an adapter's ``code_version`` and
-        folder key hash, so a memory setting tuned for a smaller machine never retrains anything.
-        It names the LoRA initialization scheme too (:data:`LORA_INIT`): adapters initialized
-        another way are other adapters."""
-        return {**{k: v for k, v in self.to_dict().items() if k not in self.EXECUTION_FIELDS}, "lora_init": LORA_INIT}
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["adam_betas"] = list(self.adam_betas)
-        data["target_modules"] = list(self.target_modules)
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "GRPOConfig":
-        data = dict(data)
-        if "adam_betas" in data:
-            data["adam_betas"] = tuple(data["adam_betas"])
-        if "target_modules" in data:
-            data["target_modules"] = tuple(data["target_modules"])
-        return cls(**data)
-
-
-PAPER = GRPOConfig()
-"""The paper's settings: AdamW lr 1e-5, at most 40 iterations, temperature 1.0, 50 steps."""
-
-DEMO = replace(
-    PAPER, learning_rate=1e-4, iterations=4, groups=4, samples_per_group=4, max_steps=12, temperature=0.7,
-    micro_batch_size=4, steps_per_iteration=1,
-)
-"""The 2-core CPU demo. Differs from the paper on purpose, and says why:
-
-* lr 1e-4: 1e-5 barely moves a 135M LoRA in a few iterations; DESIGN's prototype moved a capability
-  with 1e-4, one step per iteration, bf16 autocast, micro-batches of 4, within 4-8 iterations.
-* 4 iterations of G=4 x K=4, 12 turns per episode: the equal-rollout GRPO-on-target baseline then
-  costs as much again, and both must fit the demo's 45 minutes on 2 cores (an iteration costs
-  ~2 min here, and ~1.3 min more of baseline). 5 iterations measured the adapter's held-out synthetic
-  reward 0.625 -> 0.677 (success 0.56 -> 0.63) but a 78-minute demo. 12 turns, not 8: the base agent's
-  successful multi-step train episodes take 8-9 turns.
-* temperature 0.7: measured on the TRAIN side (calibration round 0 of the two demo capabilities,
-  16 seeds x 2, 12 turns): at T = 1.0 mean reward 0.125 / 0.193 and success 0.031 / 0.094; at
-  T = 0.7, 0.207 / 0.307 and 0.062 / 0.156. At T = 1.0 a 135M model's samples are mostly noise.
-"""
-
-TINY = replace(
-    PAPER, learning_rate=1e-3, iterations=2, groups=2, samples_per_group=2, max_steps=2,
-    max_new_tokens=8, micro_batch_size=4, generation_batch_size=8, max_context_tokens=4096,
-)
-"""Tests and UI checks with the tiny random model: two iterations of 2 x 2 short episodes."""
-
-PROFILES = {"paper": PAPER, "demo": DEMO, "tiny": TINY}
 
 
 # ---------------------------------------------------------------- the math (pure functions)
 
 
-def micro_batches(lengths: Sequence[int], max_sequences: int, max_tokens: int) -> list[list[int]]:
+def micro_batches(lengths: Sequence[int], max_sequences: int, max_tokens: int,
+                  shared: Sequence[int] | None = None) -> list[list[int]]:
     """Consecutive index chunks of ``lengths`` with at most ``max_sequences`` sequences and at most
-    ``max_tokens`` padded tokens (``len(chunk) * longest``) each; a sequence longer than
-    ``max_tokens`` forms a chunk of its own. Order is kept (sort by length first for less padding)."""
+    ``max_tokens`` tokens of activations each; a sequence longer than ``max_tokens`` forms a chunk of
+    its own. Order is kept (put similar sequences together first).
+
+    A chunk's cost is its padded tokens, ``len(chunk) * longest``, minus what a shared prefix saves:
+    ``shared[i]`` is how many leading tokens sequence ``i`` shares with sequence ``i - 1``, and the
+    prefix every row of a chunk shares runs once (``token_logprobs`` broadcasts it), so a chunk costs
+    ``p + len(chunk) * (longest - p)`` with ``p`` the smallest ``shared`` inside it."""
     chunks: list[list[int]] = []
     current: list[int] = []
-    widest = 0
+    widest, prefix = 0, 0
     for i, n in enumerate(lengths):
-        if current and (len(current) >= max_sequences or max(widest, n) * (len(current) + 1) > max_tokens):
-            chunks.append(current)
-            current, widest = [], 0
+        if current:
+            p = min(prefix, shared[i]) if shared is not None else 0
+            w = max(widest, n)
+            if len(current) >= max_sequences or p + (len(current) + 1) * (w - p) > max_tokens:
+                chunks.append(current)
+                current = []
+        if not current:
+            current, widest, prefix = [i], n, n
+            continue
         current.append(i)
-        widest = max(widest, n)
+        widest, prefix = max(widest, n), min(prefix, shared[i]) if shared is not None else 0
     if current:
         chunks.append(current)
     return chunks
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def prefix_order(samples: Sequence["Sample"]) -> list[int]:
+    """Indices of ``samples`` with each task's samples together (they share the task's prompt:
+    system, tools and, in a decision-point environment, the expert's prefix), longest tasks first
+    and, within a task, longest first: micro-batches then share long prefixes and pad little."""
+    longest: dict[str, int] = {}
+    for s in samples:
+        longest[s.task_id] = max(longest.get(s.task_id, 0), len(s.token_ids))
+    return sorted(range(len(samples)), key=lambda i: (-longest[samples[i].task_id], samples[i].task_id,
+                                                      -len(samples[i].token_ids)))
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
@@ -587,21 +478,13 @@ class GRPOTrainer:
         root = self.checkpoint_root
         root.mkdir(parents=True, exist_ok=True)
         final = root / f"iter-{self.iteration:04d}"
-        tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        try:
+        with atomic_folder(final) as tmp:  # a re-run of the same iteration swaps it in
             self.model.save_pretrained(tmp / "adapter")
             torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
             torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
             state = {"format": CHECKPOINT_FORMAT, "iteration": self.iteration, "config": self.config.to_dict(),
                      "history": [m.to_dict() for m in self.history]}
             (tmp / "state.json").write_text(json.dumps(state, indent=1))
-            if final.exists():  # a re-run of the same iteration: swap it in
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         older = sorted(p for p in root.glob("iter-*") if p != final)
         keep_older = max(self.config.keep_checkpoints - 1, 0)
         for stale in older[: len(older) - keep_older]:
@@ -633,7 +516,8 @@ class GRPOTrainer:
 
     def resume(self) -> int:
         """Clean leftovers of killed writes and load the newest checkpoint; iterations done."""
-        for stale in self.checkpoint_root.glob(".tmp-*") if self.checkpoint_root.is_dir() else []:
+        # Every hidden entry is one: a temporary folder (``paths.atomic_folder``) or a swapped-out one.
+        for stale in self.checkpoint_root.glob(".*") if self.checkpoint_root.is_dir() else []:
             shutil.rmtree(stale, ignore_errors=True)
         latest = self.latest_checkpoint()
         if latest is None:
@@ -718,7 +602,12 @@ class GRPOTrainer:
         n_tokens = sum(sum(s.loss_mask[1:]) for s in samples)
         active = [s for s in samples if s.advantage != 0.0 or cfg.beta > 0]
         active = [s for s in active if any(s.loss_mask[1:])]
-        active.sort(key=lambda s: -len(s.token_ids))  # similar lengths together: less padding
+        if cfg.prefix_micro_batches:  # a task's samples together: their shared prompt runs once
+            active = [active[i] for i in prefix_order(active)]
+            shared = [0] + [common_prefix_len(a.token_ids, b.token_ids) for a, b in zip(active, active[1:])]
+        else:
+            active.sort(key=lambda s: -len(s.token_ids))  # similar lengths together: less padding
+            shared = None
         stats = {"loss": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0, "kl": 0.0, "steps": 0,
                  "trained_sequences": len(active), "loss_tokens": n_tokens,
                  "onpolicy_mean_abs": None, "onpolicy_kl": None}
@@ -730,7 +619,8 @@ class GRPOTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             step_loss, clipped, kl_sum, counted = 0.0, 0.0, 0.0, 0
             gap_abs, gap_kl, gap_n = 0.0, 0.0, 0
-            for chunk in micro_batches([len(x.token_ids) for x in active], cfg.micro_batch_size, cfg.micro_batch_tokens):
+            for chunk in micro_batches([len(x.token_ids) for x in active], cfg.micro_batch_size, cfg.micro_batch_tokens,
+                                       shared):
                 chunk = [active[i] for i in chunk]
                 mb = self._micro_batch(chunk)
                 with autocast(self.bf16, self.device.type):
@@ -830,27 +720,16 @@ class GRPOTrainer:
         adapter_dir = self.save_adapter(self.output_dir / "adapter")
         result = GRPOResult(adapter_dir=adapter_dir, history=list(self.history), config=self.config,
                             resumed_from=resumed_from, output_dir=self.output_dir)
-        _atomic_write_text(self.output_dir / "summary.json", json.dumps(result.summary(), indent=1))
+        atomic_write(self.output_dir / "summary.json", json.dumps(result.summary(), indent=1))
         return result
 
     def save_adapter(self, folder: Path) -> Path:
         """Save the adapter (PEFT format) to ``folder`` atomically, replacing an older one."""
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = folder.parent / f".tmp-{folder.name}-{uuid.uuid4().hex[:8]}"
-        try:
+        with atomic_folder(folder) as tmp:
             self.model.save_pretrained(tmp)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return swap_in_folder(tmp, folder)
+        return folder
 
 
 def _default_backend(config: GRPOConfig) -> BackendFactory:
     return lambda model, tokenizer: TransformersBackend(model, tokenizer, batch_size=config.generation_batch_size)
 
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.write_text(text)
-    os.replace(tmp, path)

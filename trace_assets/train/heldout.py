@@ -22,11 +22,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trace_assets.agent.backends import TransformersBackend
-from trace_assets.agent.rollout import Rollout, RolloutConfig, run_rollouts
+from trace_assets.agent.rollout import Rollout, RolloutConfig, run_rollouts, with_limits
 from trace_assets.envs.base import Environment
 
 HELD_OUT_OFFSET = 900_000
 """Evaluation seeds start here inside the synthetic seed range (training starts at 0)."""
+TRAIN_VALIDATION_OFFSET = 800_000
+"""Train-side validation seeds start here: apart from the training seeds (from 0), the router's
+index and validation seeds (``route.index_offset`` 500,000 and 100,000 after it) and the held-out
+seeds. Hyperparameters (learning rate, iterations, group sizes) are chosen on these, never on
+the held-out seeds, which only measure."""
 
 
 @dataclass(frozen=True)
@@ -38,13 +43,15 @@ class EvalConfig:
     max_context_tokens: int = 4096
     batch_size: int = 32
 
+    from_limits = classmethod(with_limits)
+    """``EvalConfig.from_limits(grpo_config, n_tasks=...)``: the episode limits a run trained under."""
+
     @classmethod
     def paper(cls) -> "EvalConfig":
         return cls(max_steps=50, max_context_tokens=32768)
 
     def rollout_config(self) -> RolloutConfig:
-        return RolloutConfig(max_steps=self.max_steps, max_new_tokens=self.max_new_tokens, temperature=0.0,
-                             max_context_tokens=self.max_context_tokens)
+        return RolloutConfig.from_limits(self, temperature=0.0)
 
 
 @dataclass

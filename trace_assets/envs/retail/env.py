@@ -21,34 +21,14 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 from importlib import resources
 from typing import Any
 
-from ..base import EpisodeResult, Message, Task, jsonable
+from ..base import EpisodeResult, Message, Task, jsonable, spoken_text
 from .db import RetailDB, generate_db
 from .tasks import FAMILIES, make_task, replay_actions
 from .tools import ACCOUNT_TOOLS, AUTH_TOOLS, TOOL_SCHEMAS, WRITE_TOOLS, Session, run_tool
 from .user import ScriptedUser
-
-MIN_ECHO_CHARS = 12
-"""Tool observations at least this long are cut out of a message when they appear in it verbatim
-(shorter ones, like a bare user id, are ordinary words of an answer)."""
-_JSON_OBJECT = re.compile(r"\{[^{}]*\}")
-
-
-def spoken_text(text: str, observations: list[str]) -> str:
-    """What ``text`` tells the user in its own words: ``text`` without any verbatim tool
-    observation (of at least :data:`MIN_ECHO_CHARS` characters) and without JSON objects."""
-    out = text
-    for observation in sorted({o for o in observations if len(o) >= MIN_ECHO_CHARS}, key=len, reverse=True):
-        out = out.replace(observation, " ")
-    while True:  # innermost objects first, so nested JSON goes entirely
-        cut = _JSON_OBJECT.sub(lambda m: " " if '"' in m.group(0) or ":" in m.group(0) else m.group(0), out)
-        if cut == out:
-            return out
-        out = cut
-
 
 ROLE = "You are a retail customer service agent. Use the tools and follow this policy."
 
@@ -192,7 +172,12 @@ class RetailEnv:
         return make_task(family, seed)
 
     def start(self, task: Task) -> RetailEpisode:
-        return RetailEpisode(task, self.system_prompt(), self.max_user_turns)
+        episode = RetailEpisode(task, self.system_prompt(), self.max_user_turns)
+        if task.meta.get("distractor_orders"):  # a synthetic task's extra orders (retail.synthetic)
+            from .synthetic import apply_distractors
+
+            apply_distractors(episode.session.db, task.meta["distractor_orders"])
+        return episode
 
     def replay(self, task: Task, actions: list[dict[str, Any]], *, say: list[str] | None = None,
                confirm: bool = True) -> EpisodeResult:
@@ -212,13 +197,44 @@ class RetailEnv:
 
     # ---- target hooks (base.TargetHooks) ----------------------------------------------------
 
-    def expert(self, task: Task, *, confirm: bool = True, via: Any = None) -> tuple[list[Message], EpisodeResult]:
+    def expert(self, task: Task, *, confirm: bool = True, via: Any = None, lacking: str | None = None,
+               policy: Any = None) -> tuple[list[Message], EpisodeResult]:
         from .expert import demonstrate
 
-        return demonstrate(via or self, task, confirm=confirm)
+        return demonstrate(via or self, task, confirm=confirm, lacking=lacking, policy=policy)
+
+    def next_move(self, task: Task, messages: list[Message], *, lacking: str | None = None) -> Any:
+        from .expert import next_move
+
+        return next_move(task, messages, lacking=lacking)
+
+    def ablations(self) -> dict[str, str]:
+        from .expert import ABLATIONS
+
+        return dict(ABLATIONS)
+
+    def adversaries(self) -> dict[str, Any]:
+        from .expert import ADVERSARIES
+
+        return dict(ADVERSARIES)
 
     def tool_classes(self) -> dict[str, frozenset[str]]:
         return {"auth": AUTH_TOOLS, "write": WRITE_TOOLS, "account": ACCOUNT_TOOLS}
+
+    def synthetic_task(self, family: str, seed: int, *, scenario: dict[str, Any], difficulty: dict[str, Any]) -> Task:
+        from .synthetic import synthetic_task
+
+        return synthetic_task(family, seed, scenario=scenario, difficulty=difficulty)
+
+    def synthesis_knobs(self) -> frozenset[str]:
+        from .synthetic import KNOBS
+
+        return KNOBS
+
+    def family_complexity(self, family: str) -> float:
+        """Mean (gold actions + intents) of the family's tasks on seeds 0, 1, 2."""
+        tasks = [self.make_task(family, s) for s in (0, 1, 2)]
+        return sum(len(t.gold_actions) + len(t.scenario.get("intents", [])) for t in tasks) / len(tasks)
 
     def generate_db(self, seed: int) -> RetailDB:
         return generate_db(seed)

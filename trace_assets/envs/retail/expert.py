@@ -33,11 +33,11 @@ small model imitates them.
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ..base import EpisodeResult, Message, Task
+from ..expert import GENERIC_ADVERSARIES, MOVE_KINDS, Call, Conversation, Move, Policy, play, play_move
 from .db import money
 from .tasks import describe_address
 from .tools import AUTH_TOOLS, WRITE_TOOLS
@@ -48,7 +48,7 @@ ASK_CONFIRM = "Do you confirm? (yes/no)"
 ANYTHING_ELSE = "Anything else I can help with?"
 GIVE_UP = "Sorry, I could not complete that."
 GOODBYE = "I have handled your first request. Goodbye."
-MOVE_KINDS = ("ask_identity", "authenticate", "lookup", "propose", "write", "report")
+__all__ = ["ABLATIONS", "ADVERSARIES", "MOVE_KINDS", "Move", "demonstrate", "next_move", "play_move"]
 
 ABLATIONS: dict[str, str] = {
     "authenticate_before_acting": "never asks for identity or authenticates; goes straight to the lookups",
@@ -62,16 +62,6 @@ ABLATIONS: dict[str, str] = {
 }
 """One ablation per heuristic capability (``identify.heuristic.CATALOGUE``): what the expert stops doing."""
 MALFORMED_ARGUMENT = "note"
-
-
-@dataclass(frozen=True)
-class Move:
-    """One assistant turn: ``text`` (plain message) or ``call`` ({"name", "arguments"})."""
-
-    kind: str
-    intent: int | None = None
-    text: str | None = None
-    call: dict[str, Any] | None = None
 
 
 # ---- texts -----------------------------------------------------------------------------------
@@ -155,45 +145,13 @@ def _read_report(intent: dict[str, Any], seen: dict[str, Any]) -> str:
 
 
 @dataclass
-class _Call:
-    name: str
-    arguments: Any
-    observation: str
-
-    @property
-    def ok(self) -> bool:
-        return not self.observation.startswith("Error:")
-
-    def parsed(self) -> Any:
-        try:
-            return json.loads(self.observation)
-        except json.JSONDecodeError:
-            return self.observation
-
-
-@dataclass
-class _State:
-    """What the conversation shows: calls with observations, plain assistant texts, user replies."""
-
-    calls: list[tuple[int, _Call]]
-    texts: list[tuple[int, str]]
-    users: list[tuple[int, str]]
+class _State(Conversation):
+    """The conversation as the retail expert reads it (``envs.expert.Conversation``)."""
 
     @classmethod
     def read(cls, messages: list[Message]) -> "_State":
-        calls, texts, users = [], [], []
-        for i, message in enumerate(messages):
-            role = message.get("role")
-            if role == "assistant" and message.get("tool_calls"):
-                observations = [m for m in messages[i + 1:i + 1 + len(message["tool_calls"])] if m.get("role") == "tool"]
-                for call, obs in zip(message["tool_calls"], observations):
-                    fn = call.get("function", {})
-                    calls.append((i, _Call(fn.get("name", ""), fn.get("arguments"), str(obs.get("content", "")))))
-            elif role == "assistant" and message.get("content"):
-                texts.append((i, str(message["content"])))
-            elif role == "user":
-                users.append((i, str(message.get("content", ""))))
-        return cls(calls, texts, users)
+        seen = Conversation.read(messages)
+        return cls(seen.calls, seen.texts, seen.users)
 
     def authenticated(self) -> bool:
         return any(c.ok and c.name in AUTH_TOOLS for _, c in self.calls)
@@ -203,7 +161,7 @@ class _State:
         return [i for i, t in self.texts if ANYTHING_ELSE in t or t == GOODBYE]
 
 
-def _same(call: _Call, action: dict[str, Any]) -> bool:
+def _same(call: Call, action: dict[str, Any]) -> bool:
     return call.name == action["name"] and call.arguments == action["arguments"]
 
 
@@ -289,9 +247,6 @@ def _call_move(kind: str, intent: int | None, action: dict[str, Any], s: _State,
 
 # ---- adversaries -----------------------------------------------------------------------------
 
-Policy = Callable[[Task, list[Message]], "Move | None"]
-
-
 def _echo(task: Task, messages: list[Message]) -> Move | None:
     """The expert's calls, but every message to the user is the last tool result, verbatim."""
     move = next_move(task, messages)
@@ -318,39 +273,14 @@ def _write_without_asking(task: Task, messages: list[Message]) -> Move | None:
     return None if any(t == "Done." for _, t in s.texts) else Move("report", text="Done.")
 
 
-def _refuse(task: Task, messages: list[Message]) -> Move | None:
-    said = _State.read(messages).texts
-    return None if len(said) >= 3 else Move("report", text="Sorry, I cannot help with that.")
-
-
-def _end_at_once(task: Task, messages: list[Message]) -> Move | None:
-    return None
-
-
 ADVERSARIES: dict[str, Policy] = {
     "echo_tool_results": _echo,
     "write_without_asking": _write_without_asking,
-    "refuse_everything": _refuse,
-    "end_at_once": _end_at_once,
+    **GENERIC_ADVERSARIES,  # refuse_everything, end_at_once
 }
 
 
 # ---- playing a policy ------------------------------------------------------------------------
-
-
-def play_move(episode: Any, messages: list[Message], move: Move) -> tuple[str | None, bool]:
-    """Apply ``move`` to ``episode`` and append its messages; return (tool observation or None, user done)."""
-    if move.call is not None:
-        arguments = copy.deepcopy(move.call["arguments"])
-        messages.append({"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": move.call["name"], "arguments": arguments}}]})
-        observation = episode.call_tool(move.call["name"], copy.deepcopy(arguments))
-        messages.append({"role": "tool", "name": move.call["name"], "content": observation})
-        return observation, False
-    messages.append({"role": "assistant", "content": move.text})
-    reply, done = episode.user_reply(move.text)
-    messages.append({"role": "user", "content": reply})
-    return None, bool(done)
 
 
 def demonstrate(env: Any, task: Task, *, confirm: bool = True, lacking: str | None = None,
@@ -364,18 +294,5 @@ def demonstrate(env: Any, task: Task, *, confirm: bool = True, lacking: str | No
     """
     if not confirm and lacking is None:
         lacking = "confirm_before_writing"
-    play: Policy = policy or (lambda t, m: next_move(t, m, lacking=lacking))
-    episode = env.start(task)
-    messages = episode.initial_messages()
-    done = bool(getattr(episode, "finished", False))
-    for _ in range(max_moves):
-        if done:
-            break
-        move = play(task, messages)
-        if move is None:
-            break
-        observation, done = play_move(episode, messages, move)
-        if observation is not None and observation.startswith("Error:") and policy is None and lacking is None:
-            raise RuntimeError(f"expert action failed: {move.call} -> {observation}")
-        done = done or bool(getattr(episode, "finished", False))
-    return messages, episode.result()
+    play_policy: Policy = policy or (lambda t, m: next_move(t, m, lacking=lacking))
+    return play(env, task, play_policy, strict=policy is None and lacking is None, max_moves=max_moves)

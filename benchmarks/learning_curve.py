@@ -1,0 +1,344 @@
+"""Learning curve of GRPO on one capability's synthetic environment (measured, not asserted).
+
+The environment is built the way the ``synthetic_env`` asset builds it (``synthesize.build``): the
+template synthesizer's spec for a heuristic capability on the built-in retail target, checked,
+then calibrated on the base agent with the pipeline's Step-2 settings (``--no-calibrate`` skips
+the calibration; ``--spec`` trains on a stored spec instead, e.g. a materialized one under
+``<data>/envs/<capability>/``). Training is the pipeline's own ``GRPOTrainer`` with the pipeline's
+GRPO settings (``[train]`` of the settings profile, ``TRACE_CONFIG`` included), any of which the
+options below override. The generation path is the one ``lora_adapter`` uses
+(``ModelResource.policy_backend_factory``: vLLM with weight sync where vLLM runs, transformers
+otherwise), for the training samples and the evaluations alike.
+
+For every training seed (``--seeds``; a seed sets ``GRPOConfig.seed``, i.e. the sampling seeds,
+and the LoRA initialisation; the training tasks are the pipeline's, from ``seed_offset``), the
+adapter is evaluated greedily before training and every ``--eval-every`` iterations, by the
+pipeline's evaluation (``train.heldout.evaluate_policy``):
+
+* default: on the held-out synthetic seeds ``lora_adapter`` measures on (``HELD_OUT_OFFSET``);
+  this is the curve to report, never the one to choose settings by;
+* ``--select``: on train-side validation seeds (``TRAIN_VALIDATION_OFFSET``), to choose the
+  learning rate, iterations and group sizes.
+
+Recorded per evaluation point: training wall time so far (the trainer's iterations, checkpoints
+included; evaluations excluded and timed apart), training rollouts and tokens so far (tokens the
+policy generated, and whole sequences, prompts included), greedy success and mean reward. Output:
+a rich table (each seed and the mean), ``<out>.json`` and ``<out>.png`` (success against training
+wall time and against training rollouts).
+
+    .venv/bin/python benchmarks/learning_curve.py --capability confirm_before_writing \\
+        --agent data/models/base_agent/<key> --iterations 8 --eval-every 2 --seeds 0,1,2
+    .venv/bin/python benchmarks/learning_curve.py --select --lr 3e-4 --iterations 8   # choose settings
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from statistics import mean
+from typing import Any, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from trace_assets.train.grpo import GRPOTrainer  # noqa: E402
+
+HELD_OUT = "held-out"
+VALIDATION = "train-side validation"
+
+
+class CountingTrainer(GRPOTrainer):
+    """The pipeline's trainer, unchanged, counting what its sampling spends."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rollouts = 0
+        self.generated_tokens = 0
+        self.sequence_tokens = 0
+
+    def collect(self, iteration: int):
+        rollouts, samples = super().collect(iteration)
+        self.rollouts += len(rollouts)
+        self.generated_tokens += sum(r.n_generated for r in rollouts)
+        self.sequence_tokens += sum(len(r.token_ids) for r in rollouts)
+        return rollouts, samples
+
+
+def default_agent(settings: Any) -> str:
+    """The agent the pipeline trains adapters on: the Dagster instance's latest ``base_agent``
+    (``DAGSTER_HOME``), else the newest intact warm-started agent of ``settings.base_model`` in
+    the model cache, else (warm-start disabled) the base model itself."""
+    from trace_assets.agent.model import resolve_model
+    from trace_assets.agent.warmstart import cached_agents
+    from trace_assets.paths import models_dir
+
+    if not settings.warmstart.enabled:
+        return resolve_model(settings.base_model)
+    if os.environ.get("DAGSTER_HOME"):
+        from trace_assets.cli import materialized_base_agent
+
+        found = materialized_base_agent()
+        if found:
+            return found
+    cached = cached_agents(models_dir() / "base_agent", settings.base_model)
+    if cached:
+        return str(cached[0])
+    raise SystemExit(f"no warm-started {settings.base_model!r} agent under {models_dir() / 'base_agent'} and no "
+                     "base_agent materialization in $DAGSTER_HOME: materialize base_agent or pass --agent")
+
+
+def synthetic_environment(args: argparse.Namespace, settings: Any, target: Any, models: Any, agent: str,
+                          tokenizer: Any, log: Any) -> tuple[Any, dict[str, Any]]:
+    """``(SyntheticEnv, what was built)``, as the ``synthetic_env`` asset builds it (module docstring)."""
+    from resources.llm import SynthesizerResource
+    from trace_assets.identify.heuristic import RULES
+    from trace_assets.synthesize import SyntheticEnv, load_spec, spec_hash
+    from trace_assets.synthesize.build import CalibrationRollouts, build_environment, checked_spec
+
+    if args.spec:
+        spec = load_spec(Path(args.spec), target)
+        return SyntheticEnv(spec, target), {"source": str(args.spec), "spec_hash": spec_hash(spec)}
+    rule = RULES.get(args.capability)
+    if rule is None:
+        raise SystemExit(f"{args.capability!r} is not a heuristic capability; known: {sorted(RULES)} (or pass --spec)")
+    capability = {"name": rule.name, "description": rule.description, "failure_modes": []}
+    spec, _ = checked_spec(capability, target, SynthesizerResource(kind="template").synthesize)
+    info: dict[str, Any] = {"source": "template synthesizer"}
+    if args.calibrate:
+        syn = settings.synthesis
+        rollouts = CalibrationRollouts(models.backend_for(agent), tokenizer, max_steps=syn.max_steps,
+                                       max_new_tokens=settings.rollout.max_new_tokens,
+                                       max_context_tokens=settings.rollout.max_context_tokens,
+                                       train_seed=settings.train.grpo.seed, log=log)
+        built = build_environment(spec, target, rollouts, syn)
+        spec = built.spec
+        info.update(calibration=built.calibration.to_dict(), calibrated=built.calibration.passed,
+                    calibration_rollouts=built.calibration_rollouts, isolation_passed=built.isolation["passed"],
+                    isolation_reason=built.isolation["reason"])
+        info["calibration"].pop("spec", None)  # the spec itself is saved once, below
+    info.update(spec_hash=spec_hash(spec), spec=spec)
+    return SyntheticEnv(spec, target), info
+
+
+def learning_curve(agent: str, tokenizer: Any, env: Any, config: Any, eval_config: Any, *, seed: int,
+                   eval_every: int, backend_factory: Any, device: str, log: Any) -> dict[str, Any]:
+    """One training seed: GRPO from a fresh adapter on ``agent``, evaluated before training and
+    every ``eval_every`` iterations (and after the last); see the module docstring."""
+    import torch
+
+    from trace_assets.agent.model import load_model
+    from trace_assets.train.heldout import evaluate_policy
+
+    torch.manual_seed(seed)
+    model, _ = load_model(agent, device=device)
+    points: list[dict[str, Any]] = []
+    train_s = 0.0
+    with tempfile.TemporaryDirectory(prefix=f"learning-curve-{seed}-") as out:
+        trainer = CountingTrainer(model, tokenizer, env, replace(config, seed=seed), out, backend_factory=backend_factory)
+
+        def evaluate() -> None:
+            start = time.perf_counter()
+            report = evaluate_policy(trainer.model, tokenizer, env, eval_config, policy=f"iteration {trainer.iteration}",
+                                     backend_factory=backend_factory)
+            points.append({
+                "iteration": trainer.iteration, "rollouts": trainer.rollouts,
+                "generated_tokens": trainer.generated_tokens, "sequence_tokens": trainer.sequence_tokens,
+                "train_wall_s": round(train_s, 2), "success": report.success_rate,
+                "mean_reward": round(report.mean_reward, 4), "eval_s": round(time.perf_counter() - start, 2),
+                "successes": report.successes,
+            })
+            log(f"seed {seed} iteration {trainer.iteration}: held {eval_config.n_tasks} seeds, success "
+                f"{report.success_rate:.3f}, reward {report.mean_reward:.3f} ({trainer.rollouts} rollouts, {train_s:.0f} s)")
+
+        evaluate()
+        while trainer.iteration < config.iterations:
+            start = time.perf_counter()
+            metrics = trainer.step()
+            train_s += time.perf_counter() - start
+            log(f"seed {seed} {metrics.line()}")
+            if trainer.iteration % eval_every == 0 or trainer.iteration == config.iterations:
+                evaluate()
+        generation = getattr(trainer.backend, "name", type(trainer.backend).__name__)
+    return {"seed": seed, "points": points, "history": [m.to_dict() for m in trainer.history],
+            "generation_backend": generation}
+
+
+def summarize(seeds: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The mean curve over seeds (points matched by iteration) and each seed's gain from its first
+    to its last point."""
+    iterations = [p["iteration"] for p in seeds[0]["points"]]
+    curve = []
+    for i, iteration in enumerate(iterations):
+        at = [s["points"][i] for s in seeds]
+        curve.append({"iteration": iteration, **{k: round(mean(p[k] for p in at), 4) for k in (
+            "rollouts", "generated_tokens", "sequence_tokens", "train_wall_s", "success", "mean_reward")}})
+    gains = {s["seed"]: round(s["points"][-1]["success"] - s["points"][0]["success"], 4) for s in seeds}
+    return {"mean_curve": curve, "success_gain_per_seed": gains, "mean_success_gain": round(mean(gains.values()), 4),
+            "mean_reward_gain": round(curve[-1]["mean_reward"] - curve[0]["mean_reward"], 4)}
+
+
+def figure(result: dict[str, Any]) -> bytes:
+    """PNG: success against training wall time (left) and against training rollouts (right); one
+    thin line per seed, the mean in bold."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), dpi=100, sharey=True)
+    for ax, key, label in ((axes[0], "train_wall_s", "training wall time (s)"), (axes[1], "rollouts", "training rollouts")):
+        for s in result["seeds"]:
+            ax.plot([p[key] for p in s["points"]], [p["success"] for p in s["points"]], marker=".", alpha=0.45,
+                    linewidth=1, label=f"seed {s['seed']}")
+        curve = result["summary"]["mean_curve"]
+        ax.plot([p[key] for p in curve], [p["success"] for p in curve], marker="o", color="black", linewidth=2,
+                label="mean")
+        ax.set_xlabel(label)
+        ax.set_ylim(-0.05, 1.05)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"greedy success ({result['mode']}, {result['eval']['n_tasks']} seeds)")
+    axes[1].legend(fontsize=8, loc="best")
+    g = result["grpo"]
+    fig.suptitle(f"E_{result['capability']}: lr {g['learning_rate']:g}, G {g['groups']} x K {g['samples_per_group']}, "
+                 f"{g['max_steps']} turns x {g['max_new_tokens']} tokens", fontsize=10)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def table(result: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    seeds = result["seeds"]
+    out = Table(title=f"E_{result['capability']}: greedy success on {result['eval']['n_tasks']} {result['mode']} seeds "
+                      f"(mean reward in the last column)")
+    for column in ("iteration", "rollouts", "generated tokens", "train s", *[f"seed {s['seed']}" for s in seeds],
+                   "mean success", "mean reward"):
+        out.add_column(column, justify="right")
+    for i, point in enumerate(result["summary"]["mean_curve"]):
+        out.add_row(str(point["iteration"]), f"{point['rollouts']:.0f}", f"{point['generated_tokens']:.0f}",
+                    f"{point['train_wall_s']:.0f}", *[f"{s['points'][i]['success']:.3f}" for s in seeds],
+                    f"{point['success']:.3f}", f"{point['mean_reward']:.3f}")
+    return out
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--capability", default="confirm_before_writing", help="a heuristic capability (template spec)")
+    ap.add_argument("--spec", default=None, help="train on this stored EnvSpec instead of the template's")
+    ap.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                    help="train on the template spec as written, without the asset's calibration")
+    ap.add_argument("--agent", default=None, help="base agent folder (default: the pipeline's base_agent)")
+    ap.add_argument("--profile", default=None, help="settings profile (default $TRACE_PROFILE or demo)")
+    ap.add_argument("--lr", type=float, default=None, help="GRPO learning rate")
+    ap.add_argument("--iterations", type=int, default=None)
+    ap.add_argument("--groups", type=int, default=None, help="G: tasks per iteration")
+    ap.add_argument("--samples", type=int, default=None, help="K: rollouts per task (one advantage group)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="per assistant turn")
+    ap.add_argument("--max-steps", type=int, default=None, help="assistant turns per episode")
+    ap.add_argument("--temperature", type=float, default=None, help="sampling temperature")
+    ap.add_argument("--seeds", default="0,1,2", help="training seeds, comma-separated")
+    ap.add_argument("--eval-every", type=int, default=2, help="evaluate every this many iterations")
+    ap.add_argument("--eval-tasks", type=int, default=None, help="evaluation seeds (default [train] eval_tasks)")
+    ap.add_argument("--select", action="store_true",
+                    help="evaluate on train-side validation seeds (to choose settings), not on the held-out ones")
+    ap.add_argument("--backend", default=None, help="auto | vllm | transformers (default: [generation] backend)")
+    ap.add_argument("--vllm-dtype", default=None, help="auto | float32 | bfloat16 (default: [generation] vllm_dtype)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=None, help="output path without extension (default <data>/reports/learning_curve/...)")
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    from rich.console import Console
+
+    from resources.models import ModelResource
+    from trace_assets import paths
+    from trace_assets.agent.lora import bf16_supported
+    from trace_assets.agent.model import load_tokenizer, resolve_model
+    from trace_assets.definitions import build_resources
+    from trace_assets.envs import get_environment
+    from trace_assets.settings import load_settings
+    from trace_assets.train.heldout import HELD_OUT_OFFSET, TRAIN_VALIDATION_OFFSET, EvalConfig
+
+    args = parse_args(argv)
+    if hasattr(sys.stdout, "reconfigure"):  # progress lines show up at once when stdout is a file
+        sys.stdout.reconfigure(line_buffering=True)
+    console = Console(width=160)
+    log = console.print
+    settings = load_settings(args.profile)
+    agent = resolve_model(args.agent) if args.agent else default_agent(settings)
+    pipeline = build_resources(settings)["models"]  # the pipeline's generation settings, then the options
+    models = ModelResource(**{**{k: getattr(pipeline, k) for k in ModelResource.model_fields}, "base_model": agent,
+                              "device": args.device, "generation_backend": args.backend or pipeline.generation_backend,
+                              "vllm_dtype": args.vllm_dtype or pipeline.vllm_dtype})
+    tokenizer = load_tokenizer(agent)
+    target = get_environment("retail")
+    started = time.perf_counter()
+    env, env_info = synthetic_environment(args, settings, target, models, agent, tokenizer, log)
+    build_s = time.perf_counter() - started
+
+    overrides = {"learning_rate": args.lr, "iterations": args.iterations, "groups": args.groups,
+                 "samples_per_group": args.samples, "max_new_tokens": args.max_new_tokens, "max_steps": args.max_steps,
+                 "temperature": args.temperature}
+    config = replace(settings.train.grpo, **{k: v for k, v in overrides.items() if v is not None})
+    mode = VALIDATION if args.select else HELD_OUT
+    eval_config = EvalConfig(n_tasks=args.eval_tasks or settings.train.eval_tasks,
+                             seed_offset=TRAIN_VALIDATION_OFFSET if args.select else HELD_OUT_OFFSET,
+                             max_steps=config.max_steps, max_new_tokens=config.max_new_tokens,
+                             max_context_tokens=config.max_context_tokens)
+    last_training = config.seed_offset + config.iterations * config.groups
+    if config.seed_offset < eval_config.seed_offset + eval_config.n_tasks and eval_config.seed_offset < last_training:
+        raise SystemExit(f"training seeds [{config.seed_offset}, {last_training}) overlap the evaluation seeds "
+                         f"[{eval_config.seed_offset}, {eval_config.seed_offset + eval_config.n_tasks})")
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    factory = models.policy_backend_factory(agent)
+    log(f"agent {agent}; E_{env.capability} ({env_info['source']}, spec {env_info['spec_hash']}); {mode} evaluation on "
+        f"{eval_config.n_tasks} seeds from offset {eval_config.seed_offset}; lr {config.learning_rate:g}, "
+        f"{config.iterations} iterations of G {config.groups} x K {config.samples_per_group}")
+    runs = [learning_curve(agent, tokenizer, env, config, eval_config, seed=seed, eval_every=max(args.eval_every, 1),
+                           backend_factory=factory, device=args.device, log=log) for seed in seeds]
+    result = {
+        "benchmark": "learning_curve", "capability": env.capability, "mode": mode, "agent": agent,
+        "environment": {k: v for k, v in env_info.items() if k != "spec"}, "environment_build_s": round(build_s, 1),
+        "grpo": config.to_dict(),
+        "eval": {"n_tasks": eval_config.n_tasks, "seed_offset": eval_config.seed_offset, "greedy": True,
+                 "max_steps": eval_config.max_steps, "max_new_tokens": eval_config.max_new_tokens},
+        "generation": {"backend": models.generation_backend, "vllm_dtype": models.resolved_vllm_dtype(),
+                       "used": sorted({r["generation_backend"] for r in runs})},
+        "machine": {"cpus": os.cpu_count(), "bf16_native": bf16_supported(), "device": args.device},
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "seeds": runs,
+    }
+    result["summary"] = summarize(runs)
+    console.print(table(result))
+    gains = ", ".join(f"seed {k} {v:+.3f}" for k, v in result["summary"]["success_gain_per_seed"].items())
+    last = result["summary"]["mean_curve"][-1]
+    log(f"success gain per seed: {gains}; mean {result['summary']['mean_success_gain']:+.3f} (reward "
+        f"{result['summary']['mean_reward_gain']:+.3f}) after {last['rollouts']:.0f} rollouts, "
+        f"{last['generated_tokens']:.0f} generated tokens ({last['sequence_tokens']:.0f} sequence tokens), "
+        f"{last['train_wall_s']:.0f} s of training per seed")
+
+    out = Path(args.out) if args.out else paths.sub("reports", "learning_curve") / (
+        f"{env.capability}_{'validation' if args.select else 'heldout'}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    files = {suffix: out.with_name(out.name + suffix) for suffix in (".json", ".png", ".envspec.json")}
+    files[".json"].write_text(json.dumps(result, indent=1, default=str))
+    files[".png"].write_bytes(figure(result))
+    if "spec" in env_info:
+        files[".envspec.json"].write_text(json.dumps(env_info["spec"], indent=1, sort_keys=True))
+    log(f"wrote {files['.json']} and {files['.png']}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Reports read back from the Dagster instance, and the README sections generated from them.
+
+``trace demo`` ends by writing ``reports/demo.md`` under the data folder: the machine and commit it
+ran on, each asset's wall time and peak RSS, the base agent, C*, each adapter's held-out synthetic
+success before and after training with its promotion, and ``router_eval``'s result tables.
+``trace readme`` then replaces the README's generated sections (between ``<!-- NAME:begin -->`` and
+``<!-- NAME:end -->``) with the report's, so no figure in the README is typed by hand.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trace_assets import paths
+
+DEMO_REPORT = "demo.md"
+DEMO_SECTION = "demo"
+SUMMARY_KEYS = ("n_train", "n_test", "demos", "train_time_s", "episodes", "n_d_plus", "n_d_minus", "generated_tokens",
+                "generation_backend", "iterations", "rollouts", "success_before", "success_after", "promoted")
+"""Metadata entries that the closing table shows as an asset's key figures."""
+
+# router_eval's report sections that the README carries (the rest stays in reports/latest_report.md)
+README_REPORT_SECTIONS = ("## TRACE results", "### TRACE routed against each system",
+                          "### Each adapter against its null control", "### Rollouts spent")
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One materialized asset (one row per partition) as the closing table shows it.
+
+    ``wall_s`` is the Dagster step's duration when it ran in this demo, None when it was fresh
+    (not recomputed); ``peak_rss_gb`` is the step's peak RSS over the demo's process tree."""
+
+    asset: str
+    wall_s: float | None
+    peak_rss_gb: float | None
+    figures: str
+
+
+def step_rows(defs: Any, instance: Any, run_ids: Sequence[str]) -> list[StepRow]:
+    """The closing table's rows, in the asset graph's topological order, each partition apart."""
+    from dagster import DagsterEventType, EventRecordsFilter
+
+    from trace_assets.orchestrate import PEAK_RSS_TAG
+
+    durations: dict[tuple[str, str], float] = {}
+    if run_ids:
+        for rec in instance.get_event_records(EventRecordsFilter(event_type=DagsterEventType.STEP_SUCCESS),
+                                              limit=max(500, 50 * len(run_ids))):
+            entry = rec.event_log_entry
+            if entry.run_id in run_ids and entry.step_key:
+                durations[(entry.run_id, entry.step_key)] = entry.dagster_event.event_specific_data.duration_ms / 1000
+    rows = []
+    for key in defs.resolve_asset_graph().toposorted_asset_keys:
+        for partition, entry in _latest_entries(instance, key).items():
+            metadata = entry.asset_materialization.metadata
+            figures = ", ".join(f"{k}={v.value}" for k, v in metadata.items() if k in SUMMARY_KEYS)
+            step = key.to_python_identifier()
+            wall = durations.get((entry.run_id, step)) if entry.run_id in run_ids else None
+            run = instance.get_run_by_id(entry.run_id)
+            peak = json.loads(run.tags.get(PEAK_RSS_TAG, "{}")).get(step) if run else None
+            name = key.to_user_string() + (f"[{partition}]" if partition else "")
+            rows.append(StepRow(name, wall, None if peak is None else peak / 1024, figures))
+    return rows
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on: CPU model, cores, native bf16, memory, commit."""
+    cpu, flags = platform.processor() or platform.machine(), ""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        cpu = re.search(r"model name\s*:\s*(.+)", info).group(1).strip()  # type: ignore[union-attr]
+        flags = re.search(r"flags\s*:\s*(.+)", info).group(1)  # type: ignore[union-attr]
+    except (OSError, AttributeError):
+        pass
+    try:
+        memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        memory_gb = float("nan")
+    try:
+        commit = subprocess.run(["git", "-C", str(paths.REPO_ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10).stdout.strip() or "unknown"
+        dirty = bool(subprocess.run(["git", "-C", str(paths.REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+                                    capture_output=True, text=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = "unknown", False
+    return {"cpu": cpu, "cores": os.cpu_count(), "avx512_bf16": "avx512_bf16" in flags.split(),
+            "memory_gb": round(memory_gb, 1), "commit": commit + ("+local changes" if dirty else "")}
+
+
+def _wall(seconds: float | None) -> str:
+    if seconds is None:
+        return "fresh"
+    return f"{seconds:.0f} s" if seconds < 90 else f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
+
+
+def _latest_entries(instance: Any, key: Any) -> dict[str | None, Any]:
+    """The event log entry of each partition's latest materialization of ``key`` (the key None
+    when unpartitioned), in partition order."""
+    from dagster import AssetRecordsFilter
+
+    latest: dict[str | None, Any] = {}
+    for record in instance.fetch_materializations(AssetRecordsFilter(asset_key=key), limit=200).records:
+        latest.setdefault(record.partition_key, record.event_log_entry)  # newest first
+    return {p: latest[p] for p in sorted(latest, key=lambda p: p or "")}
+
+
+def _latest(instance: Any, name: str) -> list[Any]:
+    """Every partition's latest materialization of asset ``name`` (one element when unpartitioned)."""
+    from dagster import AssetKey
+
+    return [entry.asset_materialization for entry in _latest_entries(instance, AssetKey(name)).values()]
+
+
+def _md(materialization: Any, entry: str) -> str | None:
+    value = materialization.metadata.get(entry)
+    return None if value is None else str(value.value)
+
+
+def report_sections(markdown: str, wanted: Sequence[str]) -> str:
+    """The sections of a report (split at headings) whose heading starts with one of ``wanted``."""
+    parts = re.split(r"\n(?=#{2,3} )", "\n" + markdown.strip())
+    return "\n\n".join(p.strip() for p in parts if any(p.strip().startswith(w) for w in wanted))
+
+
+def demo_markdown(defs: Any, instance: Any, run_ids: Sequence[str], wall_s: float, *,
+                  now: _dt.datetime | None = None, host: Mapping[str, Any] | None = None) -> str:
+    """``reports/demo.md``: what one ``trace demo`` ran, measured and concluded. ``host`` defaults
+    to :func:`machine` now (pass the one taken when the run started if the checkout moved since)."""
+    host = host or machine()
+    rows = step_rows(defs, instance, run_ids)
+    when = (now or _dt.datetime.now(_dt.timezone.utc)).strftime("%Y-%m-%d %H:%M UTC")
+    recomputed = sum(r.wall_s is not None for r in rows)
+    lines = [
+        "# TRACE demo report",
+        f"Generated by `trace demo` on {when}, commit `{host['commit']}`, data folder `{paths.data_dir()}`. "
+        f"Machine: {host['cpu']}, {host['cores']} cores, {host['memory_gb']} GB RAM, native bf16 (AVX-512 BF16): "
+        f"{'yes' if host['avx512_bf16'] else 'no'}. This run recomputed {recomputed} of {len(rows)} materializations "
+        f"in {len(run_ids)} Dagster runs; wall time {_wall(wall_s)}.",
+        "### Wall time and peak RSS per asset",
+        "Dagster step durations; peak RSS is sampled over the demo's process tree (vLLM engines included); "
+        "`fresh`: not recomputed by this run.",
+        "\n".join([
+            "| asset | wall time | peak RSS (GB) | key figures |", "|---|---|---|---|",
+            *(f"| {r.asset} | {_wall(r.wall_s)} | {'' if r.peak_rss_gb is None else f'{r.peak_rss_gb:.1f}'} | {r.figures} |"
+              for r in rows),
+            f"| **full loop** | **{_wall(wall_s)}** | **{max((r.peak_rss_gb or 0 for r in rows), default=0):.1f}** | |",
+        ]),
+    ]
+    for name, entry, title in (("base_trajectories", "success_by_family", "### Base agent: success by family"),
+                               ("selected_capabilities", "selection", "### Step 1: capabilities, Δ, Cov and C*")):
+        for mat in _latest(instance, name):
+            if (text := _md(mat, entry)) is not None:
+                lines += [title, text]
+    adapters = _latest(instance, "lora_adapter")
+    if adapters:
+        table = ["| capability | iterations | rollouts | success before → after | reward before → after | null success "
+                 "| promoted | why | fidelity |", "|---|---|---|---|---|---|---|---|---|"]
+        for mat in adapters:
+            m = {k: v.value for k, v in mat.metadata.items()}
+            table.append(f"| {mat.partition} | {m.get('iterations')} | {m.get('rollouts')} | "
+                         f"{_num(m.get('success_before'))} → {_num(m.get('success_after'))} | "
+                         f"{_num(m.get('reward_before'))} → {_num(m.get('reward_after'))} | {_num(m.get('success_null'))} | "
+                         f"{'yes' if m.get('promoted') else 'no'} | {m.get('promotion_reason', '')} | {m.get('fidelity', '')} |")
+        lines += ["### Adapters on held-out synthetic seeds of their own environment (greedy), before and after GRPO",
+                  "\n".join(table)]
+    for mat in _latest(instance, "router_eval"):
+        if (text := _md(mat, "report")) is not None:
+            lines.append(text)
+    return "\n\n".join(lines) + "\n"
+
+
+def _num(x: Any) -> str:
+    return f"{x:.3f}" if isinstance(x, float) else str(x)
+
+
+def write_report(name: str, markdown: str) -> Path:
+    """Write ``reports/<name>`` under the data folder atomically (``paths.atomic_write``)."""
+    return paths.atomic_write(paths.sub("reports") / name, markdown)
+
+
+def readme_section(report: str) -> str:
+    """The README's generated demo section from ``reports/demo.md``: its header, the per-asset
+    table, the adapters, and router_eval's system, paired and null-control tables."""
+    head, _, rest = report.partition("\n### ")
+    rest = "### " + rest
+    keep = report_sections(rest, ("### Wall time", "### Step 1", "### Adapters", *README_REPORT_SECTIONS))
+    body = head.removeprefix("# TRACE demo report").strip()
+    return f"{body}\n\n{keep}".replace("\n## TRACE results", "\n### TRACE results")
+
+
+class ReadmeSectionError(ValueError):
+    """The README lacks a generated section's markers, or has them out of order."""
+
+
+def splice(text: str, name: str, body: str, *, source: str = "README.md") -> str:
+    """``text`` with everything between ``<!-- name:begin -->`` and ``<!-- name:end -->`` replaced by
+    ``body``. Raises :class:`ReadmeSectionError` naming the file and the missing marker."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    i, j = text.find(begin), text.find(end)
+    if i < 0 or j < 0 or j < i:
+        missing = begin if i < 0 else end
+        raise ReadmeSectionError(f"{source}: the generated section {name!r} needs {begin} ... {end}; "
+                                 f"{missing} is missing or out of order")
+    return f"{text[: i + len(begin)]}\n{body.strip()}\n{text[j:]}"
+
+
+def update_readme(readme: Path, sections: Mapping[str, str], *, write: bool = True) -> bool:
+    """Splice each ``sections[name]`` into ``readme``; return whether its text differs (and, with
+    ``write``, write the new text)."""
+    text = readme.read_text()
+    new = text
+    for name, body in sections.items():
+        new = splice(new, name, body, source=str(readme))
+    if write and new != text:
+        paths.atomic_write(readme, new)
+    return new != text

@@ -1,0 +1,246 @@
+"""Decision points of user environments: logged trajectories replayed up to their first LACKING step.
+
+For the built-in retail target, ``SyntheticEpisode`` has the target's scripted expert play the
+conversation up to the capability's decision point. A user environment has no such expert. What
+it has are logged trajectories of its own agent and step labels: for a capability c, the
+assistant turn at which c was LACKING. This module cuts each such trajectory before its first
+LACKING step and opens an episode of the same task with that prefix:
+
+* :class:`StepLabel` ``(trajectory_id, capability, step, label)``: ``step`` indexes the
+  trajectory's ``messages`` and names an assistant message (the move judged).
+* :func:`first_lacking_step`: the smallest step labelled LACKING for (trajectory, c), or None.
+* :func:`cut_before`: ``messages[:step]``, deep-copied. ``messages[step]`` must be an assistant
+  message, and the prefix must keep the system message and the user's opening; else
+  :class:`PrefixError`.
+* :func:`logged_prefixes`: one :class:`LoggedPrefix` per trajectory that has a LACKING step for c
+  (the others are skipped: there is no decision point to start at).
+* :func:`replay`: plays the prefix's assistant turns through a fresh episode of the trajectory's
+  task (tool calls through ``call_tool``, unparseable calls through ``malformed_call``, replies
+  through ``user_reply``), so its database, simulated user and confirmation state continue from
+  where the logged agent left them. Every observation and user answer must equal the logged one,
+  else :class:`PrefixError` names the step: the log does not reproduce on this environment
+  (another database, a changed tool, a non-deterministic user), and a prefix the environment would
+  not have produced must not become training context.
+* :class:`LoggedPrefixEnv` is an Environment over those prefixes (the rollout runner, the GRPO
+  trainer and the held-out evaluation take it as they take a ``SyntheticEnv``).
+  ``initial_messages()`` of its episodes is the logged prefix; the runner renders it all as the
+  first prompt (``env_mask`` 0, inside ``prompt_len``), so the prefix is context, never trained on.
+  The episode is then the user environment's own, scored by its own reward (an EnvSpec rubric is
+  interpreted only on the retail target); ``info["decision_point"]`` records the trajectory and
+  the step.
+
+A task is rebuilt from a trajectory by ``task_of(trajectory)``; the default reads the task id the
+targets write, ``<env>/<family>/<seed>`` (:func:`task_from_id`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from trace_assets.envs.base import Environment, EpisodeResult, Message, Task
+
+LACKING = "LACKING"
+MALFORMED_PREFIX = "Error: malformed tool call: "
+
+
+class PrefixError(ValueError):
+    """A logged trajectory cannot open an episode: a bad cut or a replay that diverged."""
+
+
+@dataclass(frozen=True)
+class StepLabel:
+    """One judgement of one step: capability ``capability`` at ``messages[step]`` of a trajectory."""
+
+    trajectory_id: str
+    capability: str
+    step: int
+    label: str = LACKING
+    rationale: str = ""
+
+
+@dataclass(frozen=True)
+class LoggedPrefix:
+    trajectory_id: str
+    capability: str
+    step: int
+    """Index in the logged messages of the first LACKING assistant turn (the cut)."""
+    task: Task
+    """The target task the trajectory was played on."""
+    messages: tuple[Message, ...]
+    """``messages[:step]`` of the trajectory: system, the user's opening, and what followed."""
+
+
+def first_lacking_step(labels: Iterable[StepLabel], trajectory_id: str, capability: str) -> int | None:
+    steps = [label.step for label in labels if label.trajectory_id == trajectory_id and label.capability == capability
+             and label.label == LACKING]
+    return min(steps) if steps else None
+
+
+def cut_before(messages: Sequence[Message], step: int) -> list[Message]:
+    """The conversation before ``messages[step]`` (see the module docstring)."""
+    if not 0 <= step < len(messages):
+        raise PrefixError(f"step {step} is outside the conversation's {len(messages)} messages")
+    if messages[step].get("role") != "assistant":
+        raise PrefixError(f"step {step} is a {messages[step].get('role')!r} message; a step names an assistant turn")
+    roles = [m.get("role") for m in messages[:step]]
+    if not roles or roles[0] != "system" or "user" not in roles:
+        raise PrefixError(f"the cut before step {step} keeps no system message and user opening")
+    return copy.deepcopy(list(messages[:step]))
+
+
+def task_from_id(target: Environment, trajectory: dict[str, Any]) -> Task:
+    """The task of a trajectory whose id is ``<env>/<family>/<seed>``, rebuilt by ``target``."""
+    parts = str(trajectory.get("task_id", "")).split("/")
+    if len(parts) != 3 or not parts[2].isdigit() or parts[1] not in target.families():
+        raise PrefixError(f"task id {trajectory.get('task_id')!r} is not '<env>/<family>/<seed>' of {target.name!r}: "
+                          "pass task_of")
+    return target.make_task(parts[1], int(parts[2]))
+
+
+def logged_prefixes(trajectories: Iterable[dict[str, Any]], labels: Iterable[StepLabel], capability: str,
+                    target: Environment, *, task_of: Callable[[dict[str, Any]], Task] | None = None) -> list[LoggedPrefix]:
+    """One prefix per trajectory with a LACKING step for ``capability``, in the given order."""
+    labels = list(labels)
+    rebuild = task_of or (lambda t: task_from_id(target, t))
+    out = []
+    for trajectory in trajectories:
+        step = first_lacking_step(labels, trajectory["trajectory_id"], capability)
+        if step is None:
+            continue
+        out.append(LoggedPrefix(trajectory["trajectory_id"], capability, step, rebuild(trajectory),
+                                tuple(cut_before(trajectory["messages"], step))))
+    return out
+
+
+def _arguments(call: dict[str, Any]) -> dict[str, Any]:
+    arguments = call.get("function", call).get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as exc:
+            raise PrefixError(f"logged tool call arguments are not JSON: {arguments[:200]!r}") from exc
+    return arguments
+
+
+def replay(episode: Any, prefix: LoggedPrefix) -> None:
+    """Replay the prefix's assistant turns through ``episode`` (see the module docstring)."""
+    messages = list(prefix.messages)
+    opening = episode.initial_messages()
+    logged_user = next((m for m in messages if m.get("role") == "user"), None)
+    fresh_user = next((m for m in opening if m.get("role") == "user"), None)
+    if logged_user is None or fresh_user is None or logged_user.get("content") != fresh_user.get("content"):
+        raise PrefixError(f"{prefix.trajectory_id}: the logged opening differs from the task's")
+    i = next(j for j, m in enumerate(messages) if m is logged_user) + 1
+
+    def expect(observed: str, role: str) -> None:
+        nonlocal i
+        if i >= len(messages) or messages[i].get("role") != role or str(messages[i].get("content")) != observed:
+            logged = messages[i].get("content") if i < len(messages) else "(end of prefix)"
+            raise PrefixError(f"{prefix.trajectory_id}: the replay diverges at message {i}: logged "
+                              f"{str(logged)[:200]!r}, replayed {observed[:200]!r}")
+        i += 1
+
+    while i < len(messages):
+        message = messages[i]
+        if message.get("role") != "assistant":
+            raise PrefixError(f"{prefix.trajectory_id}: message {i} ({message.get('role')}) answers no assistant turn")
+        i += 1
+        calls = message.get("tool_calls") or []
+        for call in calls:
+            name = call.get("function", call).get("name")
+            expect(str(episode.call_tool(name, _arguments(call))), "tool")
+        malformed = 0  # a tool message after the parsed calls' answers answers an unparseable call
+        while i < len(messages) and messages[i].get("role") == "tool" and not messages[i].get("name"):
+            error = str(messages[i].get("content", "")).removeprefix(MALFORMED_PREFIX)
+            expect(str(episode.malformed_call(str(message.get("content") or ""), error)), "tool")
+            malformed += 1
+        if not calls and not malformed:
+            answer, done = episode.user_reply(str(message.get("content") or ""))
+            if done:
+                raise PrefixError(f"{prefix.trajectory_id}: the user ends the conversation before step {prefix.step}")
+            expect(str(answer), "user")
+
+
+class LoggedPrefixEpisode:
+    """A user environment's episode opened at a logged decision point (module docstring)."""
+
+    def __init__(self, env: "LoggedPrefixEnv", task: Task, prefix: LoggedPrefix) -> None:
+        self.task = task
+        self.prefix = prefix
+        self.inner = env.target.start(prefix.task)
+        replay(self.inner, prefix)
+
+    def initial_messages(self) -> list[Message]:
+        return copy.deepcopy(list(self.prefix.messages))
+
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        return self.inner.call_tool(name, arguments)
+
+    def malformed_call(self, raw: str, error: str) -> str:
+        return self.inner.malformed_call(raw, error)
+
+    def user_reply(self, assistant_text: str) -> tuple[str, bool]:
+        return self.inner.user_reply(assistant_text)
+
+    @property
+    def finished(self) -> bool:
+        return bool(getattr(self.inner, "finished", False))
+
+    def result(self) -> EpisodeResult:
+        result = self.inner.result()
+        info = copy.deepcopy(result.info)
+        info["decision_point"] = {"source": "logged", "trajectory_id": self.prefix.trajectory_id,
+                                  "capability": self.prefix.capability, "step": self.prefix.step,
+                                  "prefix_messages": len(self.prefix.messages)}
+        return EpisodeResult(reward=result.reward, success=result.success, info=info)
+
+
+class LoggedPrefixEnv:
+    """An Environment whose episodes start at logged decision points of ``target``.
+
+    ``families()`` are the prefixes' task families (target order); ``make_task(family, seed)`` is the
+    ``seed``-th prefix of that family (modulo their number), so it is pure; ``sample_tasks(n,
+    offset)`` cycles through all prefixes from ``offset``, as GRPO and the evaluation draw tasks."""
+
+    def __init__(self, target: Environment, prefixes: Sequence[LoggedPrefix]) -> None:
+        if not prefixes:
+            raise PrefixError("no logged trajectory has a LACKING step for this capability")
+        capabilities = {p.capability for p in prefixes}
+        if len(capabilities) != 1:
+            raise PrefixError(f"prefixes of several capabilities: {sorted(capabilities)}")
+        self.target = target
+        self.capability = capabilities.pop()
+        self.name = f"logged_{self.capability}"
+        self.prefixes = list(prefixes)
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return self.target.tool_schemas()
+
+    def system_prompt(self) -> str:
+        return self.target.system_prompt()
+
+    def families(self) -> list[str]:
+        present = {p.task.family for p in self.prefixes}
+        return [f for f in self.target.families() if f in present]
+
+    def _task(self, index: int) -> Task:
+        prefix = self.prefixes[index]
+        return replace(prefix.task, task_id=f"{self.name}/{prefix.trajectory_id}", env=self.name,
+                       meta={**prefix.task.meta, "prefix_index": index, "trajectory_id": prefix.trajectory_id,
+                             "step": prefix.step, "target_task_id": prefix.task.task_id})
+
+    def make_task(self, family: str, seed: int) -> Task:
+        indices = [i for i, p in enumerate(self.prefixes) if p.task.family == family]
+        if not indices:
+            raise ValueError(f"unknown family {family!r} for {self.name}; known: {self.families()}")
+        return self._task(indices[seed % len(indices)])
+
+    def sample_tasks(self, n: int, *, offset: int = 0) -> list[Task]:
+        return [self._task((offset + i) % len(self.prefixes)) for i in range(n)]
+
+    def start(self, task: Task) -> LoggedPrefixEpisode:
+        return LoggedPrefixEpisode(self, task, self.prefixes[int(task.meta["prefix_index"])])

@@ -64,7 +64,7 @@ def test_step1_on_tau2_airline(tmp_path, monkeypatch):
 
 # Step 2 starts episodes at a decision point: the ~3.7k-token first prompt plus the expert's prefix.
 TAU2_PIPELINE = dataclasses.replace(
-    TAU2_TINY, train=dataclasses.replace(TINY.train, overrides={"max_context_tokens": 6144}))
+    TAU2_TINY, train=dataclasses.replace(TINY.train, grpo=dataclasses.replace(TINY.train.grpo, max_context_tokens=6144)))
 CAPABILITY = "complete_multistep_transactions"
 
 

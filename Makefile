@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup models demo readme test ui mlflow serve bench clean-data
+.PHONY: setup models demo experiment readme test ui mlflow serve bench clean-data
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,15 @@ models: setup
 
 demo: models
 	$(BIN)/trace demo
+
+# Steps 2-4 over training seeds with intervals (reports/experiment.md under the data folder). Its
+# own data folder by default; the warm-started base agent is shared through the model cache.
+EXPERIMENT_PROFILE ?= experiment
+EXPERIMENT_DATA_DIR ?= $(CURDIR)/data-experiment
+experiment: models
+	TRACE_PROFILE=$(EXPERIMENT_PROFILE) TRACE_DATA_DIR=$(EXPERIMENT_DATA_DIR) \
+		TRACE_DAGSTER_DIR=$(EXPERIMENT_DATA_DIR)/dagster TRACE_MODELS_DIR=$(or $(TRACE_MODELS_DIR),$(TRACE_DATA_DIR)/models) \
+		$(BIN)/trace experiment
 
 readme: setup  # the README's generated sections, from the reports of the last make demo
 	$(BIN)/trace readme

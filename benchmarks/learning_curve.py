@@ -113,7 +113,8 @@ def synthetic_environment(args: argparse.Namespace, settings: Any, target: Any, 
         syn = settings.synthesis
         rollouts = CalibrationRollouts(models.backend_for(agent), tokenizer, max_steps=syn.max_steps,
                                        max_new_tokens=settings.rollout.max_new_tokens,
-                                       max_context_tokens=settings.rollout.max_context_tokens, log=log)
+                                       max_context_tokens=settings.rollout.max_context_tokens,
+                                       train_seed=settings.train.grpo.seed, log=log)
         built = build_environment(spec, target, rollouts, syn)
         spec = built.spec
         info.update(calibration=built.calibration.to_dict(), calibrated=built.calibration.passed,

@@ -19,8 +19,15 @@ EXPECTED = {
     "grpo_baseline": ["base_agent", "lora_adapter", "selected_capabilities", "synthetic_env", "task_splits"],
     "router": ["base_agent", "lora_adapter", "selected_capabilities", "synthetic_env", "trajectory_splits"],
     "router_eval": ["base_agent", "grpo_baseline", "lora_adapter", "router", "selected_capabilities", "task_splits"],
+    "experiment_env": ["base_agent", "capability_spec"],
+    "experiment_adapter": ["base_agent", "experiment_env"],
+    "experiment_baselines": ["base_agent", "experiment_adapter", "experiment_env", "selected_capabilities", "task_splits"],
+    "experiment_eval": ["base_agent", "experiment_adapter", "experiment_baselines", "experiment_env", "selected_capabilities",
+                        "task_splits", "trajectory_splits"],
+    "experiment_report": ["experiment_eval"],
 }
-PARTITIONED = {"capability_spec", "synthetic_env", "lora_adapter"}
+PARTITIONED = {"capability_spec", "synthetic_env", "lora_adapter", "experiment_env", "experiment_adapter",
+               "experiment_baselines", "experiment_eval"}
 CHECKS = {("label_matrix", "label_completeness"), ("capability_stats", "stats_sanity"), ("selected_capabilities", "c_star_not_empty"),
           ("synthetic_env", "calibration_and_fidelity")}
 
@@ -39,6 +46,26 @@ def test_asset_graph_snapshot():
     assert partitioned == PARTITIONED
     checks = {(c.asset_key.to_user_string(), c.name) for c in graph.asset_check_keys}
     assert checks == CHECKS
+
+
+def test_the_experiment_has_its_own_job_and_the_demo_never_runs_it():
+    from trace_assets.assets.experiment import EXPERIMENT_JOB, EXPERIMENT_SELECTION, EXPERIMENT_TRAINING_JOB
+    from trace_assets.definitions import MAIN_JOB, build_definitions
+    from trace_assets.orchestrate import job_asset_keys
+
+    defs = build_definitions(TINY)
+    experiment = {k for k in EXPECTED if k.startswith("experiment_")}
+    main = {k.to_user_string() for k in job_asset_keys(defs, MAIN_JOB)}
+    assert main == set(EXPECTED) - experiment
+    ran = {k.to_user_string() for k in job_asset_keys(defs, EXPERIMENT_SELECTION)}
+    assert experiment <= ran and not ran & {"grpo_baseline", "router", "router_eval", "synthetic_env", "lora_adapter"}
+    jobs = {k.to_user_string() for name in (EXPERIMENT_JOB, EXPERIMENT_TRAINING_JOB) for k in job_asset_keys(defs, name)}
+    assert jobs == experiment
+    graph = defs.resolve_asset_graph()
+    seeds = {str(s) for s in TINY.experiment.seeds}
+    from dagster import AssetKey
+
+    assert set(graph.get(AssetKey("experiment_eval")).partitions_def.get_partition_keys()) == seeds
 
 
 def test_all_partition_inputs_are_keyed_by_partition_for_one_and_for_many(tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 import trace_assets
 
 PACKAGE_ROOT = Path(trace_assets.__file__).resolve().parent
-DOMAIN = ("envs", "agent", "identify", "synthesize", "train", "route")
+DOMAIN = ("envs", "agent", "identify", "synthesize", "train", "route", "experiment")
 FORBIDDEN = "trace_assets.assets"
 
 

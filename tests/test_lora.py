@@ -59,3 +59,54 @@ def test_no_shared_prefix_and_single_row(tiny_model_path):
     assert token_logprobs(model, ids, att, tgt).shape == (int(tgt[:, 1:].sum()),)
     one = token_logprobs(model, ids[:1], att[:1], tgt[:1])
     assert torch.isfinite(one).all()
+
+
+def _lora_weights(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def test_a_seeded_lora_init_depends_on_the_seed_only(tiny_model_path):
+    """Same seed, same adapter, whatever torch's global RNG holds; another seed, another adapter;
+    B = 0, so a fresh adapter changes nothing; the global RNG is left as it was."""
+    torch.manual_seed(123)
+    first = _lora_weights(add_lora(load_model(str(tiny_model_path))[0], lora_config(), seed=5))
+    torch.manual_seed(999)
+    torch.rand(17)
+    model = load_model(str(tiny_model_path))[0]
+    state = torch.get_rng_state()
+    again = _lora_weights(add_lora(model, lora_config(), seed=5))
+    assert torch.equal(torch.get_rng_state(), state)
+    other = _lora_weights(add_lora(load_model(str(tiny_model_path))[0], lora_config(), seed=6))
+    assert first.keys() == again.keys() == other.keys() and first
+    a_keys = [k for k in first if "lora_A" in k]
+    assert a_keys and all(torch.equal(first[k], again[k]) for k in first)
+    assert all(not torch.equal(first[k], other[k]) for k in a_keys)
+    assert all(torch.count_nonzero(v) == 0 for k, v in first.items() if "lora_B" in k)
+    # each layer gets its own draw, and the scale of PEFT's default (Kaiming uniform, a = sqrt(5))
+    assert not torch.equal(first[a_keys[0]], first[a_keys[1]])
+    bound = 1 / first[a_keys[0]].shape[1] ** 0.5
+    assert first[a_keys[0]].abs().max() <= bound and first[a_keys[0]].abs().max() > bound / 2
+
+
+def test_grpo_initializes_its_adapter_from_the_training_seed(tiny_model_path, tmp_path):
+    from dataclasses import replace
+
+    from trace_assets.agent.model import load_model as load
+    from trace_assets.envs import get_environment
+    from trace_assets.settings import TINY as TINY_SETTINGS
+    from trace_assets.train.grpo import LORA_INIT, GRPOTrainer
+
+    TINY = TINY_SETTINGS.train.grpo
+
+    env = get_environment("retail")
+    model, tokenizer = load(str(tiny_model_path))
+    torch.manual_seed(1)
+    one = _lora_weights(GRPOTrainer(model, tokenizer, env, replace(TINY, seed=3), tmp_path / "a").model)
+    model, tokenizer = load(str(tiny_model_path))
+    torch.manual_seed(2)
+    two = _lora_weights(GRPOTrainer(model, tokenizer, env, replace(TINY, seed=3), tmp_path / "b").model)
+    model, tokenizer = load(str(tiny_model_path))
+    three = _lora_weights(GRPOTrainer(model, tokenizer, env, replace(TINY, seed=4), tmp_path / "c").model)
+    assert all(torch.equal(one[k], two[k]) for k in one)
+    assert any(not torch.equal(one[k], three[k]) for k in one)
+    assert TINY.identity()["lora_init"] == LORA_INIT

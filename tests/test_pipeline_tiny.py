@@ -50,7 +50,7 @@ def pipeline(tmp_path_factory):
 def test_everything_fresh_after_the_demo_runner(pipeline):
     defs, instance, runs = pipeline
     assert runs, "the first run materializes something"
-    statuses = stale_items(defs, instance)
+    statuses = stale_items(defs, instance, "trace_main")
     assert statuses and all(s == StaleStatus.FRESH for s in statuses.values()), statuses
     names = instance.get_dynamic_partitions("capability")
     assert names, "the tiny pipeline selects at least one capability"
@@ -187,7 +187,7 @@ def test_changing_thresholds_reselects_without_relabelling(pipeline):
     changed = dataclasses.replace(TINY, selection=dataclasses.replace(TINY.selection, rho=new_rho))
     defs2 = _defs(changed)
 
-    stale = {k.to_user_string() for (k, pk), s in stale_items(defs2, instance).items() if s != StaleStatus.FRESH}
+    stale = {k.to_user_string() for (k, pk), s in stale_items(defs2, instance, "trace_main").items() if s != StaleStatus.FRESH}
     assert stale == {"selected_capabilities"}
 
     _materialize_stale(defs2, instance)
@@ -206,7 +206,7 @@ def test_changing_thresholds_reselects_without_relabelling(pipeline):
         assert records[0].asset_materialization.metadata["selected"].value is False
         assert len(records) >= 2
     # specs did not change, so every synthetic environment stays fresh: nothing is re-synthesized
-    statuses = stale_items(defs2, instance)
+    statuses = stale_items(defs2, instance, "trace_main")
     assert all(s == StaleStatus.FRESH for s in statuses.values()), {k: s for k, s in statuses.items() if s != StaleStatus.FRESH}
     # and were they stale (a settings change), the demo runner would not recompute them
     from trace_assets.orchestrate import departed_items

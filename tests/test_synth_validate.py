@@ -251,3 +251,32 @@ def test_isolation_counts_every_family_whatever_the_calibrated_weights():
     assert report["passed"], report["reason"]
     rows = {r["agent"]: r for r in report["rows"]}
     assert rows["refuse_forbidden_actions"]["n_acts"] == 2 and rows["refuse_forbidden_actions"]["success_where_acts"] == 0.0
+
+
+def test_calibration_plays_tasks_apart_from_grpos_and_seeds_its_sampling_from_the_training_seed():
+    """Calibration never tunes the difficulty on the tasks GRPO then trains on first (it once did:
+    both started at seed offset 0), and its sampling seeds follow the training seed."""
+    from trace_assets.synthesize import CALIBRATION_OFFSET, calibration_rollout_seed
+    from trace_assets.train.config import GRPOConfig
+    from trace_assets.train.heldout import HELD_OUT_OFFSET
+
+    played = []
+
+    def recording(env, tasks, k, temperature):
+        played.extend(t.seed for t in tasks)
+        return scripted_rollouts(env, tasks, k, temperature)
+
+    PAPER = GRPOConfig()  # the paper's recipe: the most training tasks
+    spec = hard_spec()
+    report = calibrate(spec, ENV, recording, seeds=32, k=4)
+    env = SyntheticEnv(spec, ENV)
+    start = env.seed_range[0]
+    training = {t.seed for t in env.sample_tasks(PAPER.iterations * PAPER.groups, offset=PAPER.seed_offset)}
+    assert played and not set(played) & training
+    assert min(played) == start + CALIBRATION_OFFSET and max(played) < start + HELD_OUT_OFFSET
+    assert len(report.rounds) >= 2 and len(set(played)) == 32  # every round plays the same tasks
+
+    seeds = {(s, r): calibration_rollout_seed(s, r) for s in range(3) for r in range(5)}
+    assert len(set(seeds.values())) == len(seeds)
+    grpo = {PAPER.__class__(seed=s).rollout_config(i).seed for s in range(3) for i in range(1, 41)}
+    assert not set(seeds.values()) & grpo

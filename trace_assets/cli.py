@@ -109,21 +109,36 @@ def cmd_readme(args: argparse.Namespace) -> int:
     """Regenerate the README's generated sections from the reports under the data folder."""
     from trace_assets import reports
 
-    report = paths.sub("reports") / reports.DEMO_REPORT
+    import json
+
+    from trace_assets.experiment import report as experiment_report
+
+    folder = paths.sub("reports")
+    report = folder / reports.DEMO_REPORT
     if not report.exists():
         console.print(f"[red]{report}: no demo report yet; run `make demo` first[/]")
         return 2
     readme = Path(args.readme)
+    sections = {reports.DEMO_SECTION: reports.readme_section(report.read_text())}
+    sources = [report]
+    experiment = folder / "experiment.json"  # `make experiment`'s, when it has run
+    if experiment.exists():
+        figure = Path("docs") / "experiment_forest.png"
+        sections[experiment_report.README_SECTION] = experiment_report.readme_section(
+            json.loads(experiment.read_text()), figure=figure.as_posix())
+        sources.append(experiment)
+        if not args.check:
+            paths.atomic_write(readme.parent / figure, (folder / "experiment_forest.png").read_bytes())
     try:
-        changed = reports.update_readme(readme, {reports.DEMO_SECTION: reports.readme_section(report.read_text())},
-                                        write=not args.check)
+        changed = reports.update_readme(readme, sections, write=not args.check)
     except reports.ReadmeSectionError as exc:
         console.print(f"[red]{exc}[/]")
         return 2
+    named = " and ".join(map(str, sources))
     if args.check:
-        console.print(f"{readme}: {'differs from' if changed else 'matches'} {report}")
+        console.print(f"{readme}: {'differs from' if changed else 'matches'} {named}")
         return 1 if changed else 0
-    console.print(f"{readme}: {'updated' if changed else 'already current'} from {report}")
+    console.print(f"{readme}: {'updated' if changed else 'already current'} from {named}")
     return 0
 
 
@@ -160,6 +175,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
     with demo_lock(instance, log=_console_log):
         run_ids, failures = run_stale(defs, instance, MAIN_JOB, log=_console_log)
     print_summary(defs, instance, run_ids, time.perf_counter() - start, host)
+    for failure in failures:
+        console.print(f"[red]failed: {failure}[/]")
+    return 1 if failures else 0
+
+
+def cmd_experiment(args: argparse.Namespace) -> int:
+    """``make experiment``: the demo's wave runner on the experiment's assets and what they read
+    (what is missing or stale)."""
+    _instance_env()
+    from dagster import DagsterInstance
+
+    from sensors import ensure_pools
+    from trace_assets.assets.experiment import EXPERIMENT_SELECTION
+    from trace_assets.definitions import defs
+    from trace_assets.orchestrate import demo_lock, run_stale
+    from trace_assets.settings import load_settings
+
+    settings = load_settings()
+    console.print(f"experiment: profile {settings.profile!r}, seeds {list(settings.experiment.seeds)}, "
+                  f"{settings.tasks.test_per_family} test tasks per family")
+    start = time.perf_counter()
+    instance = DagsterInstance.get()
+    ensure_pools(instance)
+    with demo_lock(instance, log=_console_log):
+        run_ids, failures = run_stale(defs, instance, EXPERIMENT_SELECTION, log=_console_log)
+    print_summary(defs, instance, run_ids, time.perf_counter() - start)
     for failure in failures:
         console.print(f"[red]failed: {failure}[/]")
     return 1 if failures else 0
@@ -268,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_provision)
     p = sub.add_parser("demo", help="materialize the main job (only what is missing or stale)")
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("experiment", help="materialize the experiment over training seeds (TRACE_PROFILE=experiment)")
+    p.set_defaults(func=cmd_experiment)
     p = sub.add_parser("readme", help="regenerate the README's generated sections from reports/ in the data folder")
     p.add_argument("--readme", default=str(paths.REPO_ROOT / "README.md"))
     p.add_argument("--check", action="store_true", help="exit 1 if the README differs from the reports; write nothing")

@@ -12,6 +12,15 @@ from resources.mlflow_registry import MlflowRegistry
 from resources.models import ModelResource
 from resources.store import TraceStore
 from trace_assets import paths
+from trace_assets.assets.experiment import (
+    EXPERIMENT_JOB,
+    EXPERIMENT_PER_CAPABILITY_SEED,
+    EXPERIMENT_PER_SEED,
+    EXPERIMENT_SELECTION,
+    EXPERIMENT_TRAINING_JOB,
+    GROUP as EXPERIMENT_GROUP,
+    build_experiment_assets,
+)
 from trace_assets.assets.foundation import build_foundation_assets
 from trace_assets.assets.identify import build_identify_assets
 from trace_assets.assets.synthesize import build_synthesize_assets
@@ -27,16 +36,27 @@ def build_definitions(settings: Settings | None = None) -> Definitions:
     everything = [
         *build_foundation_assets(settings), *build_identify_assets(settings),
         *build_synthesize_assets(settings), *build_train_assets(settings), *build_route_assets(settings),
+        *build_experiment_assets(settings),
     ]
     assets = [a for a in everything if not _is_check(a)]
     checks = [a for a in everything if _is_check(a)]
-    main_job = define_asset_job(MAIN_JOB, selection=AssetSelection.all(), description="The whole TRACE loop.",
-                                hooks={_release_after_success, _release_after_failure})
+    experiment = AssetSelection.groups(EXPERIMENT_GROUP)
+    release = {_release_after_success, _release_after_failure}
+    main_job = define_asset_job(MAIN_JOB, selection=AssetSelection.all() - experiment, description="The whole TRACE loop.",
+                                hooks=release)
+    # A Dagster asset job holds one partitioning: per seed (+ the report), and per (capability, seed).
+    # `make experiment` runs both, and what they need, through the wave runner (EXPERIMENT_SELECTION).
+    experiment_job = define_asset_job(
+        EXPERIMENT_JOB, selection=AssetSelection.assets(*EXPERIMENT_PER_SEED), hooks=release,
+        description="make experiment, per seed: the baselines, the evaluation of every system, and the report.")
+    training_job = define_asset_job(
+        EXPERIMENT_TRAINING_JOB, selection=AssetSelection.assets(*EXPERIMENT_PER_CAPABILITY_SEED), hooks=release,
+        description="make experiment, per (capability, seed): the calibrated environment and the adapter.")
     from sensors import build_operate_definitions  # the landing sensor, nightly schedule, automation
 
     operate = build_operate_definitions(settings)
     return Definitions(
-        assets=assets, asset_checks=checks, jobs=[main_job, *operate["jobs"]], resources=build_resources(settings),
+        assets=assets, asset_checks=checks, jobs=[main_job, experiment_job, training_job, *operate["jobs"]], resources=build_resources(settings),
         sensors=operate["sensors"], schedules=operate["schedules"],
     )
 

@@ -131,3 +131,46 @@ def heatmap(values: list[list[float]], rows: list[str], columns: list[str], *, t
     fig.savefig(buf, format="png")
     plt.close(fig)
     return buf.getvalue()
+
+
+def forest_plot(panels: dict[str, list[dict[str, Any]]], *, reference: dict[str, float] | None = None,
+                xlabels: dict[str, str] | None = None, title: str = "") -> bytes:
+    """PNG forest plot: one panel per ``panels`` entry (side by side), one row per item, top to bottom
+    in the given order; each item ``{"label", "estimate", "low", "high"}`` (fractions, drawn x100)
+    is a point with its interval. ``reference[panel]`` (a fraction) draws a dashed vertical line,
+    e.g. 0 for differences; an interval that excludes it is drawn in a stronger colour.
+    ``xlabels[panel]`` names a panel's axis (default: percentage points)."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(panels)
+    rows = max((len(v) for v in panels.values()), default=1)
+    fig, axes = plt.subplots(1, len(names), figsize=(4.6 * len(names), 0.9 + 0.42 * max(rows, 1)), dpi=100, squeeze=False)
+    for ax, name in zip(axes[0], names):
+        items = panels[name]
+        ref = (reference or {}).get(name)
+        for y, item in enumerate(reversed(items)):
+            est, low, high = (100.0 * item[k] for k in ("estimate", "low", "high"))
+            strong = ref is not None and (item["low"] > ref or item["high"] < ref)
+            color = "tab:red" if strong else "tab:blue"
+            ax.plot([low, high], [y, y], color=color, linewidth=2)
+            ax.plot([est], [y], marker="o", color=color)
+            ax.annotate(f"{est:.1f} [{low:.1f}, {high:.1f}]", (high, y), textcoords="offset points", xytext=(4, -3), fontsize=7)
+        ax.set_yticks(range(len(items)), [item["label"] for item in reversed(items)], fontsize=8)
+        if ref is not None:
+            ax.axvline(100.0 * ref, color="tab:gray", linestyle="--", linewidth=1)
+        ax.set_xlabel((xlabels or {}).get(name, "percentage points"))
+        ax.set_title(name, fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+        ax.margins(x=0.25)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()

@@ -130,13 +130,24 @@ def step_peaks_mb(instance, run_id: str, sampler: RssSampler) -> dict[str, int]:
     return peaks
 
 
-def stale_items(defs, instance) -> dict[tuple, object]:
+def job_asset_keys(defs, target) -> set:
+    """The asset keys ``target`` names: a job's name (what it materializes) or an ``AssetSelection``
+    (for assets of several partitionings, which no single Dagster asset job may hold)."""
+    if isinstance(target, str):
+        return set(defs.resolve_job_def(target).asset_layer.selected_asset_keys)
+    return set(target.resolve(defs.resolve_asset_graph()))
+
+
+def stale_items(defs, instance, job_name=None) -> dict[tuple, object]:
     """``{(asset_key, partition_key | None): StaleStatus}`` for every materializable asset
-    (every registered partition of a partitioned one)."""
+    (every registered partition of a partitioned one); only those of ``job_name`` (a job's name or
+    an ``AssetSelection``, :func:`job_asset_keys`) when given: ``trace_main`` leaves the
+    experiment's assets alone, the experiment the demo's Step 4."""
     graph = defs.resolve_asset_graph()
     status_of = _dagster_private().stale_status_resolver(instance, graph)
+    keys = graph.materializable_asset_keys if job_name is None else graph.materializable_asset_keys & job_asset_keys(defs, job_name)
     out = {}
-    for key in graph.materializable_asset_keys:
+    for key in keys:
         partitions_def = graph.get(key).partitions_def
         if partitions_def is None:
             out[(key, None)] = status_of(key)
@@ -150,7 +161,9 @@ def plan_wave(defs, statuses: dict) -> list[tuple[str | None, list]]:
     """The next runs: ``[(partition_key, asset_keys)]``. Unpartitioned work comes first, unless it
     waits on stale partitions; missing assets run together with their missing descendants;
     otherwise only the roots of staleness run, because a re-materialization that reproduces the
-    same data version leaves everything below it fresh."""
+    same data version leaves everything below it fresh. A partitioned asset whose ancestors are
+    partitioned another way (the experiment's seeds read every capability's partitions) waits until
+    those ancestors are fresh, as an unpartitioned one does."""
     StaleStatus = _dagster_private().StaleStatus
 
     graph = defs.resolve_asset_graph()
@@ -172,12 +185,17 @@ def plan_wave(defs, statuses: dict) -> list[tuple[str | None, list]]:
             return bool(ancestors & stale_keys)
         return bool(ancestors & stale_partitioned)
 
+    def waits_across(k) -> bool:
+        own = graph.get(k).partitions_def
+        return any(a in stale_keys and graph.get(a).partitions_def is not None and graph.get(a).partitions_def != own
+                   for a in graph.get_ancestor_asset_keys(k) - {k})
+
     unpartitioned = {(k, pk): s for (k, pk), s in stale.items() if pk is None and not waits(k)}
     if unpartitioned:
         return [(None, pick(unpartitioned))]
     runs = []
-    for pk in sorted({pk for _, pk in stale if pk is not None}):
-        runs.append((pk, pick({(k, p): s for (k, p), s in stale.items() if p == pk})))
+    for pk in sorted({pk for k, pk in stale if pk is not None and not waits_across(k)}):
+        runs.append((pk, pick({(k, p): s for (k, p), s in stale.items() if p == pk and not waits_across(k)})))
     return runs
 
 
@@ -193,9 +211,17 @@ def departed_items(graph, instance, items) -> set[tuple]:
     if event is None or "c_star" not in event.asset_materialization.metadata:
         return set()
     c_star = set(event.asset_materialization.metadata["c_star"].value)
+
+    def capability_of(k, pk) -> str | None:
+        partitions_def = graph.get(k).partitions_def
+        if getattr(partitions_def, "name", None) == "capability":
+            return pk
+        by_dimension = getattr(pk, "keys_by_dimension", None)  # a (capability, seed) key of the experiment
+        return by_dimension.get("capability") if by_dimension else None
+
     return {(k, pk) for (k, pk) in items
             if pk is not None and graph.get(k).partitions_def is not None
-            and getattr(graph.get(k).partitions_def, "name", None) == "capability" and pk not in c_star
+            and capability_of(k, pk) is not None and capability_of(k, pk) not in c_star
             and k != AssetKey("capability_spec")}
 
 
@@ -229,7 +255,9 @@ def release_memory() -> None:
 
 def run_stale(defs, instance, job_name: str, *, max_waves: int = 50,
               log: Callable[[str, str], None] = _print_log) -> tuple[list[str], list[str]]:
-    """Materialize missing/stale assets in waves until everything is fresh.
+    """Materialize the missing/stale assets of ``job_name`` (a job's name, whose job runs them, or an
+    ``AssetSelection``, run through Dagster's implicit asset job, which allows several partitionings)
+    in waves until they are all fresh.
 
     Returns the run ids and a description of every failed run. ``log(kind, message)`` hears of
     each run before it starts and of each failure (``cli`` presents them).
@@ -237,14 +265,14 @@ def run_stale(defs, instance, job_name: str, *, max_waves: int = 50,
     A run that fails (or whose blocking check fails) is reported and not retried in this
     invocation; its partition's siblings and unrelated assets go on.
     """
-    job = defs.resolve_job_def(job_name)
+    job = defs.resolve_job_def(job_name) if isinstance(job_name, str) else defs.resolve_implicit_global_asset_job_def()
     graph = defs.resolve_asset_graph()
     run_ids: list[str] = []
     failures: list[str] = []
     failed: set[tuple] = set()
     with RssSampler() as sampler:  # peak memory per step, for the closing table
         for _ in range(max_waves):
-            statuses = stale_items(defs, instance)
+            statuses = stale_items(defs, instance, job_name)
             blocked = blocked_items(graph, statuses, failed) | departed_items(graph, instance, statuses)
             runs = plan_wave(defs, {item: s for item, s in statuses.items() if item not in blocked})
             runs = [(pk, keys) for pk, keys in runs if keys]

@@ -1,8 +1,9 @@
 """Pipeline settings: one frozen dataclass tree, chosen by profile and overridden by a TOML file.
 
 * ``TRACE_PROFILE`` picks the defaults: ``demo`` (the embedded SmolLM2 default, sized to run on a
-  2-core CPU), ``paper`` (the demo with the paper's GRPO recipe) or ``tiny`` (a random tiny model
-  and a handful of tasks, for tests and UI checks).
+  2-core CPU), ``tiny`` (a random tiny model and a handful of tasks, for tests and UI checks),
+  ``experiment`` (``make experiment``: the demo's recipe over 3 training seeds and 90 test tasks) or
+  ``paper`` (the paper-sized experiment: the paper's GRPO recipe, for a GPU).
 * ``TRACE_CONFIG`` may name a TOML file whose tables override fields, e.g.::
 
       base_model = "Qwen/Qwen2.5-0.5B-Instruct"
@@ -218,6 +219,34 @@ class RouteSettings:
 
 
 @dataclass(frozen=True)
+class ExperimentSettings:
+    """``make experiment``: Steps 2-4 repeated per training seed, the systems compared with paired
+    bootstrap intervals over tasks x seeds (``trace_assets.experiment``).
+
+    Each seed is a partition of the experiment's assets; the seed is ``GRPOConfig.seed`` of every
+    training there (GRPO sampling, LoRA initialization, the null control) and the training seed of
+    calibration. Steps 1 and the test split are shared by all seeds."""
+
+    seeds: tuple[int, ...] = (0,)
+    bootstrap_samples: int = 10_000
+    bootstrap_seed: int = 0
+    ablation: bool = True
+    """Also train the ablation: GRPO at equal rollouts on the target families the synthetic
+    environments draw from, with the target's binary reward."""
+    pass_k: int = 0
+    """k of pass^k for base, TRACE routed and GRPO on target (0: not measured); each costs
+    ``pass_k_trials`` sampled episodes per test task and system."""
+    pass_k_trials: int = 4
+    pass_k_temperature: float = 0.7
+
+    def __post_init__(self) -> None:
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or any(int(s) != s or s < 0 for s in self.seeds):
+            raise ValueError(f"experiment.seeds must be distinct non-negative integers, got {self.seeds!r}")
+        if self.pass_k < 0 or (self.pass_k and self.pass_k_trials < self.pass_k):
+            raise ValueError("experiment.pass_k must be >= 0 and at most pass_k_trials")
+
+
+@dataclass(frozen=True)
 class Settings:
     profile: str = "demo"
     base_model: str = "demo"  # "demo" | "tiny" | an HF model id | a local path
@@ -231,10 +260,16 @@ class Settings:
     synthesis: SynthesisSettings = field(default_factory=SynthesisSettings)
     train: TrainSettings = field(default_factory=TrainSettings)
     route: RouteSettings = field(default_factory=RouteSettings)
+    experiment: ExperimentSettings = field(default_factory=ExperimentSettings)
 
     def selection_rule(self) -> SelectionRule:
         """``[selection]`` with N and K set for the analyst (``SelectionRule.for_analyst``)."""
         return self.selection.for_analyst(self.analyst.kind, self.analyst.n_runs)
+
+    def for_seed(self, seed: int) -> "Settings":
+        """These settings with training seed ``seed``: ``GRPOConfig.seed`` of every training (GRPO
+        sampling, LoRA initialization, the null control) and calibration's sampling seeds."""
+        return replace(self, train=replace(self.train, grpo=replace(self.train.grpo, seed=int(seed))))
 
     def section_hash(self, name: str) -> str:
         """A short stable hash of one settings section, for ``code_version``."""
@@ -246,10 +281,6 @@ class Settings:
 
 DEMO = Settings()
 """The embedded SmolLM2 demo, sized for a 2-core CPU: the defaults above."""
-
-PAPER = replace(DEMO, profile="paper", train=replace(DEMO.train, grpo=GRPOConfig()))
-"""The demo with the paper's GRPO recipe (``GRPOConfig()``: lr 1e-5, at most 40 iterations, G = 4 x
-K = 8, temperature 1.0, 50 steps). For a GPU, with a larger ``base_model`` in a TOML."""
 
 TINY = Settings(
     profile="tiny",
@@ -269,8 +300,40 @@ TINY = Settings(
     )),
     # A random tiny model learns nothing the gate could promote: route to every adapter, for the plumbing.
     route=RouteSettings(index_prompts=3, include_unpromoted=True),
+    experiment=ExperimentSettings(seeds=(0, 1), bootstrap_samples=2000, pass_k=2, pass_k_trials=2),
 )
-PROFILES = {"demo": DEMO, "paper": PAPER, "tiny": TINY}
+EXPERIMENT = replace(
+    DEMO,
+    profile="experiment",
+    # 10 held-out tasks per family (90), drawn after the demo's: the demo and train tasks, hence the
+    # warm-started agent and Step 1, are the demo's (``envs.splits``: the draw is prefix-stable).
+    tasks=TaskSettings(test_per_family=10),
+    selection=replace(DEMO_SELECTION, max_selected=0),  # all of C*
+    # pass^4 would cost 90 tasks x 4 episodes x 3 systems = 1,080 sampled episodes per seed on 2 cores:
+    # off here; `[experiment] pass_k = 4` turns it on.
+    experiment=ExperimentSettings(seeds=(0, 1, 2), pass_k=0),
+)
+"""``make experiment`` on the 2-core CPU: the demo's recipe over 3 training seeds, all of C*, 90 test tasks."""
+
+PAPER = replace(
+    DEMO,
+    profile="paper",
+    base_model="Qwen/Qwen2.5-7B-Instruct",
+    warmstart=WarmStartSettings(enabled=False),  # it calls tools already
+    tasks=TaskSettings(test_per_family=20),
+    rollout=RolloutSettings(max_context_tokens=32768),
+    generation=GenerationSettings(backend="vllm", vllm_kv_cache_gb=40.0),
+    synthesis=SynthesisSettings(calibration_seeds=32, max_steps=50, temperature=1.0, max_rounds=5),
+    selection=replace(DEMO_SELECTION, max_selected=0),
+    train=replace(DEMO.train, grpo=GRPOConfig(), eval_tasks=64),
+    experiment=ExperimentSettings(seeds=(0, 1, 2, 3, 4), pass_k=4),
+)
+"""The paper-sized experiment for one GPU: a 7B agent without warm-start, the paper's GRPO
+(``GRPOConfig()``: lr 1e-5, at most 40 iterations, G = 4 x K = 8, T 1.0, 50 steps, 32k context),
+calibration of 32 seeds per round, 180 test tasks, 5 seeds. Set the model resource's
+``device = "cuda"``; an ``[analyst] kind = "llm"`` endpoint makes Step 1 paper-faithful too."""
+
+PROFILES = {"demo": DEMO, "tiny": TINY, "experiment": EXPERIMENT, "paper": PAPER}
 """The one profile table: ``TRACE_PROFILE`` picks an entry, ``TRACE_CONFIG`` overrides its fields."""
 
 

@@ -25,12 +25,52 @@ def lora_config(r: int = 16, alpha: int = 32, dropout: float = 0.0, target_modul
     )
 
 
-def add_lora(model: PreTrainedModel, config: LoraConfig) -> PeftModel:
-    """Wrap ``model`` with a fresh LoRA adapter; the base weights are frozen."""
-    peft_model = get_peft_model(model, config)
+def add_lora(model: PreTrainedModel, config: LoraConfig, *, seed: int | None = None) -> PeftModel:
+    """Wrap ``model`` with a fresh LoRA adapter; the base weights are frozen.
+
+    ``seed``: the adapter's initial weights come from :func:`seeded_lora_init` (a function of
+    ``seed`` and each layer's name only), and torch's global RNG is left as it was. None keeps
+    PEFT's own initialization, which draws from torch's global RNG, i.e. from whatever ran before
+    in the process.
+    """
+    if seed is None:
+        peft_model = get_peft_model(model, config)
+    else:
+        with torch.random.fork_rng(devices=[]):  # PEFT's own init draws are discarded: leave the RNG as it was
+            peft_model = get_peft_model(model, config)
+        seeded_lora_init(peft_model, seed)
     for name, param in peft_model.named_parameters():
         param.requires_grad = "lora_" in name
     return peft_model
+
+
+def seeded_lora_init(peft_model: PeftModel, seed: int, adapter_name: str = "default") -> int:
+    """Re-draw adapter ``adapter_name``'s initial weights as PEFT's default init does (``A`` Kaiming
+    uniform with ``a = sqrt(5)``, ``B`` zero, so ``BA = 0``), from one ``torch.Generator`` per layer
+    seeded by ``(seed, layer name)``: the same seed gives the same adapter whatever torch's global RNG
+    holds and in whatever order layers are visited; the global RNG is left untouched. Returns the
+    number of layers initialized (0 means the adapter has no LoRA layer by that name)."""
+    import hashlib
+    import math
+
+    count = 0
+    for module_name, module in peft_model.named_modules():
+        lora_a = getattr(module, "lora_A", None)
+        if not isinstance(lora_a, torch.nn.ModuleDict) or adapter_name not in lora_a:
+            continue
+        digest = hashlib.sha256(f"lora-init:{seed}:{module_name}".encode()).digest()
+        gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+        weight = lora_a[adapter_name].weight
+        with torch.no_grad():
+            fresh = torch.empty(weight.shape, dtype=torch.float32)
+            torch.nn.init.kaiming_uniform_(fresh, a=math.sqrt(5), generator=gen)
+            weight.copy_(fresh.to(weight.dtype))
+            module.lora_B[adapter_name].weight.zero_()
+            bias = getattr(module.lora_B[adapter_name], "bias", None)
+            if bias is not None:
+                bias.zero_()
+        count += 1
+    return count
 
 
 def bf16_supported() -> bool:

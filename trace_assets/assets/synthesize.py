@@ -33,13 +33,19 @@ from trace_assets.trajectories import render_markdown
 GROUP = "synthesize"
 
 
+CALIBRATION_VERSION = "disjoint-from-training-seeded-v1"
+"""Bumped when calibration changes outside the settings (until 2026-12-01 it played GRPO's first
+training tasks, with sampling seeds 0, 1, 2 whatever the training seed)."""
+
+
 def build_synthesize_assets(settings: Settings) -> list:
     syn = settings.synthesis
+    train_seed = settings.train.grpo.seed  # the training seed drives calibration's sampling too
 
     @asset(
         group_name=GROUP, partitions_def=capability_partitions, kinds={"json"},
         automation_condition=per_capability_automation,
-        code_version=stable_hash([syn.__dict__, settings.section_hash("rollout")]),
+        code_version=stable_hash([syn.__dict__, settings.section_hash("rollout"), train_seed, CALIBRATION_VERSION]),
         check_specs=[AssetCheckSpec("calibration_and_fidelity", asset="synthetic_env", blocking=True,
                                     description="Fidelity to the target, gold-solvable, calibrated reward band, "
                                                 "isolation against ablated experts.")],
@@ -49,73 +55,92 @@ def build_synthesize_assets(settings: Settings) -> list:
         store: TraceStore, mlflow: MlflowRegistry, capability_spec: dict, base_agent: dict,
     ):
         """The capability's training environment: an EnvSpec interpreted on the target's machinery."""
-        from trace_assets.agent.model import load_tokenizer
-        from trace_assets.llm_client import LLMError
-        from trace_assets.synthesize import SyntheticEnv, isolation_heatmap, isolation_markdown, spec_hash
-        from trace_assets.synthesize.build import CalibrationRollouts, SpecRejected, build_environment, checked_spec
-
         name = checked_partition_key(context.partition_key)  # it becomes a path part below
-        target = get_environment(settings.tasks.env)
-        wanted = set(capability_spec.get("example_trajectory_ids", []))
-        failed = [t for t in store.trajectories(split="train") if t["trajectory_id"] in wanted]
-        capability = {k: capability_spec[k] for k in ("name", "description", "failure_modes")}
-        try:
-            spec, rejected = checked_spec(capability, target, synthesizer.synthesize, failed)
-        except LLMError as exc:
-            raise Failure(f"synthetic_env[{name}]: no valid spec; the previous materialization is kept. {exc}") from exc
-        except SpecRejected as exc:
-            raise Failure(f"synthetic_env[{name}]: spec rejected; the previous materialization is kept: "
-                          f"{exc.problems[:5]}") from exc
+        value, metadata = make_synthetic_env(context, settings, name, train_seed, synthesizer=synthesizer, models=models,
+                                             store=store, capability_spec=capability_spec, base_agent=base_agent,
+                                             mlflow=mlflow)
+        check = value.pop("check")
+        yield Output(value, data_version=DataVersion(value["spec_hash"]), metadata=metadata)
+        yield AssetCheckResult(
+            check_name="calibration_and_fidelity", passed=check["passed"], description=check["reason"],
+            metadata={"rounds": MetadataValue.json(value["calibration"]["rounds"]),
+                      "isolation": MetadataValue.json(value["isolation"])},
+        )
 
-        tokenizer = load_tokenizer(base_agent["path"])
-        backend = models.backend_for(base_agent["path"])
-        context.log.info(f"generation backend: {models.backend_label(backend)}")
-        rollout_fn = CalibrationRollouts(backend, tokenizer, max_steps=syn.max_steps,
-                                         max_new_tokens=settings.rollout.max_new_tokens,
-                                         max_context_tokens=settings.rollout.max_context_tokens, log=context.log.info)
-        built = build_environment(spec, target, rollout_fn, syn, rejected=rejected)
-        report, iso = built.calibration, built.isolation
-        final = report.spec
-        digest = spec_hash(final)
-        folder = paths.sub("envs", name)
-        spec_path = folder / f"{digest}.json"
-        if not spec_path.exists():
-            paths.atomic_write(spec_path, json.dumps(final, indent=2, sort_keys=True))
-        rollouts = rollout_fn.last
-        rewards = [r.result.reward for r in rollouts]
-        env = SyntheticEnv(final, target)
-        sample = max(rollouts, key=lambda r: r.result.reward, default=None)
-        n_calibration = built.calibration_rollouts
-        value = {
-            "capability": name, "spec_path": str(spec_path), "spec_hash": digest, "env_name": env.name,
-            "calibration": report.to_dict(), "isolation": iso, "rejected_specs": rejected,
-            "calibration_rollouts": n_calibration,
-        }
-        metadata: dict[str, Any] = {
-            "spec_hash": digest, "spec_path": MetadataValue.path(str(spec_path)), "synthesizer": synthesizer.kind,
-            "calibration_rounds": len(report.rounds), "calibrated": report.passed, "calibration_rollouts": n_calibration,
-            "calibration": MetadataValue.md(to_markdown(__import__("polars").DataFrame(
-                [{k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in r.items()} for r in report.rounds]))),
-            "isolation": MetadataValue.json({k: v for k, v in iso.items() if k != "rows"}),
-            "isolation_matrix": MetadataValue.md(isolation_markdown([iso])),
-            "isolation_rows": MetadataValue.json(iso["rows"]), "rejected_specs": MetadataValue.json(rejected),
-        }
-        heatmap_png = isolation_heatmap([iso], title=f"E_{name}: success of each agent")
-        metadata.update(png_metadata(heatmap_png, "isolation_heatmap"))
+    return [synthetic_env]
+
+
+def make_synthetic_env(context: AssetExecutionContext, settings: Settings, name: str, train_seed: int, *,
+                       synthesizer: SynthesizerResource, models: ModelResource, store: TraceStore,
+                       capability_spec: dict, base_agent: dict,
+                       mlflow: MlflowRegistry | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(value, metadata)`` of capability ``name``'s environment: synthesized, checked, calibrated
+    on the base agent with sampling seeds from ``train_seed``, then checked for isolation
+    (``synthesize.build``). ``value["check"]`` is the blocking check's ``{"passed", "reason"}``. With
+    ``mlflow``, the environment is logged to a run of its own (its id in the metadata). The experiment
+    calls it once per training seed."""
+    from trace_assets.agent.model import load_tokenizer
+    from trace_assets.llm_client import LLMError
+    from trace_assets.synthesize import SyntheticEnv, isolation_heatmap, isolation_markdown, spec_hash
+    from trace_assets.synthesize.build import CalibrationRollouts, SpecRejected, build_environment, checked_spec
+
+    syn = settings.synthesis
+    target = get_environment(settings.tasks.env)
+    wanted = set(capability_spec.get("example_trajectory_ids", []))
+    failed = [t for t in store.trajectories(split="train") if t["trajectory_id"] in wanted]
+    capability = {k: capability_spec[k] for k in ("name", "description", "failure_modes")}
+    try:
+        spec, rejected = checked_spec(capability, target, synthesizer.synthesize, failed)
+    except LLMError as exc:
+        raise Failure(f"synthetic_env[{name}]: no valid spec; the previous materialization is kept. {exc}") from exc
+    except SpecRejected as exc:
+        raise Failure(f"synthetic_env[{name}]: spec rejected; the previous materialization is kept: "
+                      f"{exc.problems[:5]}") from exc
+
+    tokenizer = load_tokenizer(base_agent["path"])
+    backend = models.backend_for(base_agent["path"])
+    context.log.info(f"generation backend: {models.backend_label(backend)}")
+    rollout_fn = CalibrationRollouts(backend, tokenizer, max_steps=syn.max_steps,
+                                     max_new_tokens=settings.rollout.max_new_tokens,
+                                     max_context_tokens=settings.rollout.max_context_tokens, train_seed=train_seed,
+                                     log=context.log.info)
+    built = build_environment(spec, target, rollout_fn, syn, rejected=rejected)
+    report, iso = built.calibration, built.isolation
+    final = report.spec
+    digest = spec_hash(final)
+    spec_path = paths.sub("envs", name) / f"{digest}.json"
+    if not spec_path.exists():
+        paths.atomic_write(spec_path, json.dumps(final, indent=2, sort_keys=True))
+    rollouts = rollout_fn.last
+    rewards = [r.result.reward for r in rollouts]
+    env = SyntheticEnv(final, target)
+    sample = max(rollouts, key=lambda r: r.result.reward, default=None)
+    n_calibration = built.calibration_rollouts
+    value = {
+        "capability": name, "spec_path": str(spec_path), "spec_hash": digest, "env_name": env.name,
+        "calibration": report.to_dict(), "isolation": iso, "rejected_specs": rejected,
+        "calibration_rollouts": n_calibration,
+    }
+    metadata: dict[str, Any] = {
+        "spec_hash": digest, "spec_path": MetadataValue.path(str(spec_path)), "synthesizer": synthesizer.kind,
+        "calibration_rounds": len(report.rounds), "calibrated": report.passed, "calibration_rollouts": n_calibration,
+        "calibration": MetadataValue.md(to_markdown(__import__("polars").DataFrame(
+            [{k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in r.items()} for r in report.rounds]))),
+        "isolation": MetadataValue.json({k: v for k, v in iso.items() if k != "rows"}),
+        "isolation_matrix": MetadataValue.md(isolation_markdown([iso])),
+        "isolation_rows": MetadataValue.json(iso["rows"]), "rejected_specs": MetadataValue.json(rejected),
+    }
+    heatmap_png = isolation_heatmap([iso], title=f"E_{name}: success of each agent")
+    metadata.update(png_metadata(heatmap_png, "isolation_heatmap"))
+    if mlflow is not None:
         metadata["mlflow_run_id"] = mlflow.log_environment(
             name, spec=final, isolation=iso, calibration=report.to_dict(), isolation_table=isolation_markdown([iso]),
             isolation_png=heatmap_png, lineage={"envspec_hash": digest, "dagster_run_id": context.run_id,
                                                 "base_model": f"{models.base_model}@{base_agent.get('checksum') or base_agent['path']}"})
-        if rewards:
-            metadata.update(png_metadata(reward_histogram(rewards, title=f"{name}: last calibration round"), "reward_histogram"))
-        if sample is not None:
-            metadata["sample_episode"] = MetadataValue.md(render_markdown(sample.messages))
-        yield Output(value, data_version=DataVersion(digest), metadata=metadata)
-        passed = report.passed and iso["passed"]
-        reason = f"calibration: {report.reason}; isolation: {iso['reason']}"
-        yield AssetCheckResult(
-            check_name="calibration_and_fidelity", passed=passed,
-            description=reason, metadata={"rounds": MetadataValue.json(report.rounds), "isolation": MetadataValue.json(iso)},
-        )
-
-    return [synthetic_env]
+    if rewards:
+        metadata.update(png_metadata(reward_histogram(rewards, title=f"{name}: last calibration round"), "reward_histogram"))
+    if sample is not None:
+        metadata["sample_episode"] = MetadataValue.md(render_markdown(sample.messages))
+    passed = built.passed
+    value["check"] = {"passed": passed, "reason": f"calibration: {report.reason}; isolation: {iso['reason']}"}
+    return value, metadata

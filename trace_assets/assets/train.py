@@ -54,120 +54,24 @@ def build_train_assets(settings: Settings) -> list:
         """GRPO on the capability's synthetic environment (the base stays frozen), then the held-out
         evaluation against the base and the null control, the fidelity probe of the path it is
         evaluated through, and the promotion gate in front of the MLflow alias ``champion``."""
-        import polars as pl
-
-        from trace_assets.agent import fidelity
-        from trace_assets.agent.identity import generation_identity
-        from trace_assets.agent.lora import null_adapter
-        from trace_assets.synthesize import SyntheticEnv
-        from trace_assets.train.heldout import EvalConfig, compare_base_and_adapter, promotion
-        from trace_assets.train.runs import train_or_reuse
-
-        from sensors import record_worker
-
         name = checked_partition_key(context.partition_key)  # it becomes a path part below
-        record_worker(context)  # it holds the `train` slot: a killed worker must be reapable
-        if not synthetic_env["calibration"]["passed"]:
-            raise Failure(
-                f"lora_adapter[{name}]: its synthetic environment is not calibrated "
-                f"({synthetic_env['calibration'].get('reason')}); not training on it."
-            )
-        isolation = synthetic_env.get("isolation") or {}
-        if isolation.get("passed") is False:
-            raise Failure(f"lora_adapter[{name}]: its synthetic environment does not isolate the capability "
-                          f"({isolation.get('reason')}); not training on it.")
-        spec = json.loads(open(synthetic_env["spec_path"]).read())
-        target = get_environment(settings.tasks.env)
-        env = SyntheticEnv(spec, target)
-        key = stable_hash([synthetic_env["spec_hash"], base_agent.get("checksum") or base_agent["path"], grpo_config.identity()])
-        out_dir = paths.sub("adapters", name, key)
-        evaluation_key = stable_hash([generation, train_cfg.eval_tasks, train_cfg.promotion_alpha, EVALUATION_VERSION])
-
-        def evaluated_alike(value: dict[str, Any]) -> bool:
-            if value.get("evaluation_key") == evaluation_key:
-                return True
-            context.log.info(f"{out_dir}: trained, but evaluated under another generation or gate: re-evaluating")
-            return False
-
-        def train_and_evaluate() -> dict[str, Any]:
-            # A finished run resumes at its last checkpoint and only saves.
-            trainer, result = train_grpo(models, base_agent, env, grpo_config, out_dir, what=f"lora_adapter[{name}]",
-                                         tag=name, log=context.log.info)
-            tokenizer = trainer.tokenizer
-            # The path every evaluation of this adapter goes through: is its effect intact there? If a
-            # faster dtype's rounding loses it, the evaluation takes the exact (fp32) path instead.
-            probe_tasks = env.sample_tasks(2, offset=grpo_config.seed_offset)  # training seeds: train side
-            expert = target_hook(target, "expert")
-            probe = fidelity.make_probe(tokenizer, [expert(t, via=env)[0] for t in probe_tasks], env.tool_schemas())
-            try:
-                eval_models, policy_backends, fid = fidelity_checked(models, base_agent["path"], trainer.model, tokenizer,
-                                                                     probe, f"lora_adapter[{name}]", context.log)
-            except fidelity.FidelityError as exc:
-                raise Failure(str(exc)) from exc
-            backend = (policy_backends or eval_models.backend)(trainer.model, tokenizer)
-            null_dir = null_adapter(result.adapter_dir, out_dir / "null", seed=grpo_config.seed)
-            comparison = compare_base_and_adapter(trainer.model, tokenizer, env,
-                                                  EvalConfig.from_limits(grpo_config, n_tasks=train_cfg.eval_tasks),
-                                                  backend_factory=policy_backends, null_dir=null_dir)
-            gate = promotion(comparison, alpha=train_cfg.promotion_alpha)
-            context.log.info(f"[{name}] {gate['reason']}")
-            history = result.history
-            rollouts = len(history) * grpo_config.groups * grpo_config.samples_per_group
-            lineage = {
-                "capability": name, "c_star_version": latest_data_version(context, "selected_capabilities"),
-                "envspec_hash": synthetic_env["spec_hash"],
-                "base_model": f"{models.base_model}@{base_agent.get('checksum') or base_agent['path']}",
-                "dagster_run_id": context.run_id, "promoted": gate["promoted"], "promotion_reason": gate["reason"],
-            }
-            registered = mlflow.log_training(
-                name, adapter_dir=result.adapter_dir, history=history, lineage=lineage,
-                params={**grpo_config.to_dict(), "capability": name, "train_profile": settings.profile},
-                aliases=DEFAULT_ALIASES if gate["promoted"] else (),
-                metrics={"heldout_success_base": comparison["base"].success_rate,
-                         "heldout_success_adapter": comparison["adapter"].success_rate,
-                         "heldout_success_null": comparison["null"].success_rate,
-                         "fidelity_correlation": fid.correlation, "fidelity_rel_error": fid.rel_rms_error,
-                         "promoted": float(gate["promoted"])},
-            )
-            curve = pl.DataFrame([m.to_dict() if hasattr(m, "to_dict") else dict(m.__dict__) for m in history])
-            return {
-                "capability": name, "adapter_dir": str(result.adapter_dir),
-                "adapter_checksum": folder_checksum(result.adapter_dir),
-                "mlflow_run_id": registered.run_id, "model_name": registered.name, "model_version": registered.version,
-                "aliases": list(registered.aliases), "lineage": lineage, "train_profile": settings.profile,
-                "rollouts": rollouts, "calibration_rollouts": synthetic_env.get("calibration_rollouts", 0),
-                "reward_before": comparison["base"].to_dict(), "reward_after": comparison["adapter"].to_dict(),
-                "null": comparison["null"].to_dict(), "null_dir": str(null_dir),
-                "promotion": gate, "promoted": gate["promoted"], "fidelity": fid.to_dict(),
-                "generation": generation_identity(backend), "evaluation_key": evaluation_key,
-                "iterations": len(history),
-                "time_per_iteration": {
-                    "gen_s": round(sum(m.gen_time_s for m in history) / max(len(history), 1), 1),
-                    "opt_s": round(sum(m.opt_time_s for m in history) / max(len(history), 1), 1),
-                },
-                "curve": curve.to_dicts(),
-            }
-
-        value, reused = train_or_reuse(out_dir, train_and_evaluate, reusable=evaluated_alike)
-        if reused:
-            context.log.info(f"Reusing the adapter trained and evaluated at {out_dir} (same spec, base, config, "
-                             "generation and gate)")
-            return Output(value, data_version=DataVersion(value["adapter_checksum"][:16]), metadata=_metadata(value))
-        return Output(value, data_version=DataVersion(stable_hash([value["adapter_checksum"], value["promoted"]])),
-                      metadata=_metadata(value))
+        return train_capability_adapter(context, settings, name, models=models, mlflow=mlflow,
+                                        synthetic_env=synthetic_env, base_agent=base_agent)
 
     return [lora_adapter]
 
 
 def train_grpo(models: ModelResource, base_agent: dict, env: Any, config: Any, out_dir: Any, *, what: str, tag: str,
-               log: Any) -> tuple[Any, Any]:
+               log: Any, reward_fn: Any = None) -> tuple[Any, Any]:
     """``(trainer, result)`` of GRPO on the base agent in ``out_dir`` (resuming from its newest
     checkpoint), generating through the configured path; used by ``lora_adapter`` and
-    ``grpo_baseline``. A ``GRPOError`` fails the step, naming ``what``."""
+    ``grpo_baseline``. ``reward_fn``: ``GRPOTrainer``'s (None: the episode's reward). A
+    ``GRPOError`` fails the step, naming ``what``."""
     from trace_assets.train.grpo import GRPOError, GRPOTrainer
 
     model, tokenizer = models.load(base_agent["path"])
-    trainer = GRPOTrainer(model, tokenizer, env, config, out_dir, backend_factory=models.policy_backend_factory(base_agent["path"]),
+    trainer = GRPOTrainer(model, tokenizer, env, config, out_dir, reward_fn=reward_fn,
+                          backend_factory=models.policy_backend_factory(base_agent["path"]),
                           progress=lambda m: log(f"[{tag}] {m.line()}"))
     try:
         return trainer, trainer.train()
@@ -235,3 +139,119 @@ def _metadata(value: dict[str, Any]) -> dict[str, Any]:
         training_curve_png(value["curve"]).save(buf, format="PNG")
         metadata.update(png_metadata(buf.getvalue(), "training_curve"))
     return metadata
+
+
+def train_capability_adapter(context: AssetExecutionContext, settings: Settings, name: str, *, models: ModelResource,
+                             mlflow: MlflowRegistry, synthetic_env: dict, base_agent: dict, registry_name: str | None = None,
+                             aliases_if_promoted=DEFAULT_ALIASES) -> Output[dict[str, Any]]:
+    """Capability ``name``'s adapter, as ``lora_adapter`` makes it with ``settings`` (its GRPO seed is
+    ``settings.train.grpo.seed``): trained (or reused from its folder, keyed by spec, base and
+    GRPO identity), fidelity-probed, evaluated against the base and the null control, gated, and
+    registered in MLflow as ``registry_name`` (default ``name``), taking ``aliases_if_promoted``
+    only when the gate promotes it. The experiment calls it once per training seed, under its own
+    registry name and with no alias. A reused adapter has the data version it had when trained."""
+    import polars as pl
+
+    from trace_assets.agent import fidelity
+    from trace_assets.agent.identity import generation_identity, planned_generation
+    from trace_assets.agent.lora import null_adapter
+    from trace_assets.synthesize import SyntheticEnv
+    from trace_assets.train.heldout import EvalConfig, compare_base_and_adapter, promotion
+    from trace_assets.train.runs import train_or_reuse
+
+    from sensors import record_worker
+
+    train_cfg = settings.train
+    grpo_config = train_cfg.grpo
+    generation = planned_generation(settings.generation)
+    record_worker(context)  # it holds the `train` slot: a killed worker must be reapable
+    if not synthetic_env["calibration"]["passed"]:
+        raise Failure(
+            f"lora_adapter[{name}]: its synthetic environment is not calibrated "
+            f"({synthetic_env['calibration'].get('reason')}); not training on it."
+        )
+    isolation = synthetic_env.get("isolation") or {}
+    if isolation.get("passed") is False:
+        raise Failure(f"lora_adapter[{name}]: its synthetic environment does not isolate the capability "
+                      f"({isolation.get('reason')}); not training on it.")
+    spec = json.loads(open(synthetic_env["spec_path"]).read())
+    target = get_environment(settings.tasks.env)
+    env = SyntheticEnv(spec, target)
+    key = stable_hash([synthetic_env["spec_hash"], base_agent.get("checksum") or base_agent["path"], grpo_config.identity()])
+    out_dir = paths.sub("adapters", name, key)
+    evaluation_key = stable_hash([generation, train_cfg.eval_tasks, train_cfg.promotion_alpha, EVALUATION_VERSION])
+
+    def evaluated_alike(value: dict[str, Any]) -> bool:
+        # Another registry name (the experiment's seed 0 is the main job's adapter) reuses it as
+        # registered: it is the same adapter, and re-registering would flip the manifest back and forth.
+        if value.get("evaluation_key") == evaluation_key:
+            return True
+        context.log.info(f"{out_dir}: trained, but evaluated under another generation or gate: re-evaluating")
+        return False
+
+    def train_and_evaluate() -> dict[str, Any]:
+        # A finished run resumes at its last checkpoint and only saves.
+        trainer, result = train_grpo(models, base_agent, env, grpo_config, out_dir, what=f"lora_adapter[{name}]",
+                                     tag=name, log=context.log.info)
+        tokenizer = trainer.tokenizer
+        # The path every evaluation of this adapter goes through: is its effect intact there? If a
+        # faster dtype's rounding loses it, the evaluation takes the exact (fp32) path instead.
+        probe_tasks = env.sample_tasks(2, offset=grpo_config.seed_offset)  # training seeds: train side
+        expert = target_hook(target, "expert")
+        probe = fidelity.make_probe(tokenizer, [expert(t, via=env)[0] for t in probe_tasks], env.tool_schemas())
+        try:
+            eval_models, policy_backends, fid = fidelity_checked(models, base_agent["path"], trainer.model, tokenizer,
+                                                                 probe, f"lora_adapter[{name}]", context.log)
+        except fidelity.FidelityError as exc:
+            raise Failure(str(exc)) from exc
+        backend = (policy_backends or eval_models.backend)(trainer.model, tokenizer)
+        null_dir = null_adapter(result.adapter_dir, out_dir / "null", seed=grpo_config.seed)
+        comparison = compare_base_and_adapter(trainer.model, tokenizer, env,
+                                              EvalConfig.from_limits(grpo_config, n_tasks=train_cfg.eval_tasks),
+                                              backend_factory=policy_backends, null_dir=null_dir)
+        gate = promotion(comparison, alpha=train_cfg.promotion_alpha)
+        context.log.info(f"[{name}] {gate['reason']}")
+        history = result.history
+        rollouts = len(history) * grpo_config.groups * grpo_config.samples_per_group
+        lineage = {
+            "capability": name, "c_star_version": latest_data_version(context, "selected_capabilities"),
+            "envspec_hash": synthetic_env["spec_hash"],
+            "base_model": f"{models.base_model}@{base_agent.get('checksum') or base_agent['path']}",
+            "dagster_run_id": context.run_id, "promoted": gate["promoted"], "promotion_reason": gate["reason"],
+        }
+        registered = mlflow.log_training(
+            registry_name or name, adapter_dir=result.adapter_dir, history=history, lineage=lineage,
+            params={**grpo_config.to_dict(), "capability": name, "train_profile": settings.profile},
+            aliases=tuple(aliases_if_promoted) if gate["promoted"] else (),
+            metrics={"heldout_success_base": comparison["base"].success_rate,
+                     "heldout_success_adapter": comparison["adapter"].success_rate,
+                     "heldout_success_null": comparison["null"].success_rate,
+                     "fidelity_correlation": fid.correlation, "fidelity_rel_error": fid.rel_rms_error,
+                     "promoted": float(gate["promoted"])},
+        )
+        curve = pl.DataFrame([m.to_dict() if hasattr(m, "to_dict") else dict(m.__dict__) for m in history])
+        return {
+            "capability": name, "adapter_dir": str(result.adapter_dir),
+            "adapter_checksum": folder_checksum(result.adapter_dir),
+            "mlflow_run_id": registered.run_id, "model_name": registered.name, "model_version": registered.version,
+            "aliases": list(registered.aliases), "lineage": lineage, "train_profile": settings.profile,
+            "rollouts": rollouts, "calibration_rollouts": synthetic_env.get("calibration_rollouts", 0),
+            "reward_before": comparison["base"].to_dict(), "reward_after": comparison["adapter"].to_dict(),
+            "null": comparison["null"].to_dict(), "null_dir": str(null_dir),
+            "promotion": gate, "promoted": gate["promoted"], "fidelity": fid.to_dict(),
+            "generation": generation_identity(backend), "evaluation_key": evaluation_key,
+            "iterations": len(history),
+            "time_per_iteration": {
+                "gen_s": round(sum(m.gen_time_s for m in history) / max(len(history), 1), 1),
+                "opt_s": round(sum(m.opt_time_s for m in history) / max(len(history), 1), 1),
+            },
+            "curve": curve.to_dicts(),
+        }
+
+    value, reused = train_or_reuse(out_dir, train_and_evaluate, reusable=evaluated_alike)
+    if reused:
+        context.log.info(f"Reusing the adapter trained and evaluated at {out_dir} (same spec, base, config, "
+                         "generation and gate)")
+    # One data version for one (adapter, verdict), whether trained now or reused.
+    return Output(value, data_version=DataVersion(stable_hash([value["adapter_checksum"], value["promoted"]])),
+                  metadata=_metadata(value))

@@ -5,6 +5,14 @@ from ``[SYNTHETIC_SEED_BASE, ...)``, so no synthetic task can coincide with a te
 gets exactly ``demo_per_family`` / ``train_per_family`` / ``test_per_family`` tasks. The ``test``
 split is for measuring only: nothing in Step 1 reads it.
 
+A seed is also a task's database (``generate_db(seed)``), and families draw their seeds
+independently, so a test seed of one family could be a demo or train seed of another: the same
+users and orders that Steps 1-3 saw. A test seed is therefore never a seed of any demo or train
+task, nor of another test task; a colliding draw is replaced by the family's next fresh draw.
+Without a collision the splits are exactly the plain per-family draw, and raising
+``test_per_family`` leaves the demo and train tasks as they were (the draw is prefix-stable), so a
+larger test split reuses the same base agent and Step 1. :func:`split_overlaps` checks all of it.
+
 A benchmark environment with its own split (``env.official_splits()``, e.g. tau2-bench's
 ``split_tasks.json``) keeps it: no task ever moves between its train and test. The counts then cap
 what is taken per family, in the file's order: ``demo`` is the first ``demo_per_family`` official
@@ -43,14 +51,42 @@ def make_splits(env: Environment, *, demo_per_family: int, train_per_family: int
             out["train"].extend(train[demo_per_family : demo_per_family + train_per_family])
             out["test"].extend([t for t in given["test"] if t.family == family][:test_per_family])
         return out
+    seen = demo_per_family + train_per_family
+    draws = {}
     for family in env.families():
         rng = random.Random(f"{seed}:{family}")
-        seeds = rng.sample(range(TARGET_SEED_LIMIT), sum(counts.values()))
-        start = 0
-        for name in SPLITS:
-            out[name].extend(env.make_task(family, s) for s in seeds[start : start + counts[name]])
-            start += counts[name]
+        draws[family] = (rng, rng.sample(range(TARGET_SEED_LIMIT), sum(counts.values())))
+    taken = {s for _, seeds in draws.values() for s in seeds[:seen]}  # every database Steps 1-3 may see
+    for family, (rng, seeds) in draws.items():
+        out["demo"].extend(env.make_task(family, s) for s in seeds[:demo_per_family])
+        out["train"].extend(env.make_task(family, s) for s in seeds[demo_per_family:seen])
+        for s in seeds[seen:]:
+            while s in taken:  # a demo/train database of any family, or an earlier test task's
+                s = rng.randrange(TARGET_SEED_LIMIT)
+            taken.add(s)
+            out["test"].append(env.make_task(family, s))
     return out
+
+
+def split_overlaps(splits: dict[str, list[Task]]) -> list[str]:
+    """What the ``test`` split shares with the ``demo`` and ``train`` splits (the tasks Steps 1-3
+    see) or with itself: a task id, or a database seed (``task.seed``, the seed of
+    ``generate_db``); also a test seed in the synthetic range. [] = disjoint."""
+    problems = []
+    seen = [t for name in ("demo", "train") for t in splits.get(name, [])]
+    seen_ids, seen_seeds = {t.task_id for t in seen}, {t.seed for t in seen}
+    test_ids, test_seeds = set(), set()
+    for task in splits.get("test", []):
+        if task.task_id in seen_ids or task.task_id in test_ids:
+            problems.append(f"test task {task.task_id} is also a {'demo/train' if task.task_id in seen_ids else 'test'} task")
+        if task.seed in seen_seeds or task.seed in test_seeds:
+            problems.append(f"test task {task.task_id} shares database seed {task.seed} with "
+                            f"{'a demo/train' if task.seed in seen_seeds else 'another test'} task")
+        if task.seed >= SYNTHETIC_SEED_BASE:
+            problems.append(f"test task {task.task_id} has a synthetic seed {task.seed}")
+        test_ids.add(task.task_id)
+        test_seeds.add(task.seed)
+    return problems
 
 
 def tasks_of(splits: dict[str, list[dict[str, Any]]], name: str) -> list[Task]:

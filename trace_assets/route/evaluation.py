@@ -132,9 +132,13 @@ def faithful_models(models, path: str, bank, folders: dict[str, str], tokenizer:
 
 
 def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: dict, router: dict,
-                     grpo_baseline: dict | None, adapters: dict[str, dict], log: Callable[[str], None]) -> dict[str, Any]:
+                     grpo_baseline: dict | None, adapters: dict[str, dict], log: Callable[[str], None],
+                     more_baselines: dict[str, dict] | None = None) -> dict[str, Any]:
     """Evaluate every system (module docstring). ``grpo_baseline=None`` leaves the baseline out,
-    e.g. to look at routing before the equal-rollout baseline has been trained."""
+    e.g. to look at routing before the equal-rollout baseline has been trained. ``more_baselines``:
+    further trained adapters evaluated like the baseline, ``{system name: {"adapter_dir", "rollouts"}}``
+    (the experiment's ablation). ``per_task`` in the result holds every system's reward per test
+    task, in the order of ``task_ids``."""
     from trace_assets.agent.rollout import run_rollouts
     from trace_assets.route.compose import AdapterBank, plan_groups
     from trace_assets.route.report import (
@@ -159,6 +163,8 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
     bank_paths.update({f"{NULL_PREFIX}{name}": a["null_dir"] for name, a in adapters.items() if a.get("null_dir")})
     if grpo_baseline is not None:
         bank_paths[BASELINE] = grpo_baseline["adapter_dir"]
+    more_baselines = dict(more_baselines or {})
+    bank_paths.update({name: b["adapter_dir"] for name, b in more_baselines.items()})
     bank = AdapterBank(model, bank_paths)
     configured_id = agent_id(agent_identity(base_agent, models.backend_for(base_agent["path"], model, tokenizer)))
     conversations = [r["messages"] for r in store.agent_trajectories(split="train", agent_id=configured_id)[:PROBE_CONVERSATIONS]]
@@ -216,7 +222,8 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
             success[name] = [r.result.success for r in rollouts]
             eval_rollouts[name] = len(rollouts)
     nulls = {k[len(NULL_PREFIX):]: v for k, v in per_system.items() if k and k.startswith(NULL_PREFIX)}
-    singles = {k: v for k, v in per_system.items() if k != BASELINE and not (k and k.startswith(NULL_PREFIX))}
+    singles = {k: v for k, v in per_system.items()
+               if k != BASELINE and k not in more_baselines and not (k and k.startswith(NULL_PREFIX))}
 
     first_prompts = [first_user_prompt(env, t) for t in tasks]
     with bank.use(None) as base_model:
@@ -252,10 +259,13 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
     systems["oracle"] = oracle_rewards(singles)
     if grpo_baseline is not None:
         systems[BASELINE] = per_system[BASELINE]
+    for name in more_baselines:
+        systems[name] = per_system[name]
 
     trace_spent = (grpo_baseline or {}).get("budget_rollouts") or sum(map(adapter_rollouts, adapters.values()))
     spent = {"base": 0, "trace_routed": trace_spent, "trace_soft": trace_spent, "oracle": trace_spent,
-             **({BASELINE: grpo_baseline["rollouts"]} if grpo_baseline is not None else {}), **{n: adapter_rollouts(a) for n, a in adapters.items()}}
+             **({BASELINE: grpo_baseline["rollouts"]} if grpo_baseline is not None else {}), **{n: adapter_rollouts(a) for n, a in adapters.items()},
+             **{n: b["rollouts"] for n, b in more_baselines.items()}}
     table = success_table(systems, rollouts_spent=spent)
     by_family = pl.DataFrame([
         {"system": "base" if s is None else s, "family": f, "reward": r, "success": r >= 1.0}
@@ -337,5 +347,48 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
     return {"systems": table, "by_family": by_family.to_dicts(), "routing": routing, "confusion": confusion,
             "paired": paired, "nulls": null_table, "fidelity": fidelity_table, "agent_id": base_id, "agent": identity,
             "attribution": attributed, "rollouts_spent": {**spent, "evaluation": eval_rollouts}, "metrics": metrics,
-            "markdown": markdown, "pngs": pngs, "task_ids": ids,
+            "markdown": markdown, "pngs": pngs, "task_ids": ids, "families": families,
+            "routed": [d.choice for d in main_decisions],
+            "per_task": {("base" if k is None else k): [float(x) for x in v] for k, v in systems.items()},
             "decisions": {k: [d.label for d in v] for k, v in decisions.items()}, "oracle_target": [t or "base" for t in target]}
+
+
+def sampled_trials(settings, models, *, task_splits: dict, base_agent: dict, choices: dict[str, list[str | None]],
+                   folders: dict[str, str], trials: int, temperature: float, seed: int,
+                   log: Callable[[str], None]) -> dict[str, list[list[bool]]]:
+    """Repeated sampled episodes on the test split, for pass^k (``experiment.stats.pass_hat_k``):
+    ``{system: [per test task: [success of each of ``trials`` episodes]]}``.
+
+    ``choices[system]`` names, per test task (in ``task_splits`` order), the adapter the system
+    generates through (None: the base), e.g. the router's choice per task for TRACE routed;
+    ``folders`` maps adapter names to their folders. Episodes sample at ``temperature`` with seeds
+    derived from ``seed``, with the ``[rollout]`` limits."""
+    from dataclasses import replace
+
+    from trace_assets.agent.rollout import derive_seed, run_rollouts
+    from trace_assets.route.compose import AdapterBank
+
+    env = get_environment(settings.tasks.env)
+    tasks = tasks_of(task_splits, "test")
+    if any(len(c) != len(tasks) for c in choices.values()):
+        raise ValueError(f"every system needs one choice per test task ({len(tasks)})")
+    model, tokenizer = models.load(base_agent["path"])
+    used = sorted({c for per_task in choices.values() for c in per_task if c is not None})
+    bank = AdapterBank(model, {name: folders[name] for name in used}) if used else None
+    out: dict[str, list[list[bool]]] = {name: [[] for _ in tasks] for name in choices}
+    for round_index, adapter in enumerate([None, *used]):
+        jobs = [(name, i) for name, per_task in choices.items() for i, c in enumerate(per_task) if c == adapter]
+        if not jobs:
+            continue
+        config = replace(greedy_rollout_config(settings), temperature=temperature, seed=derive_seed(seed, 3_000_000 + round_index))
+        batch = [tasks[i] for _, i in jobs for _ in range(trials)]
+        log(f"pass^k: {len(batch)} sampled episodes through {adapter or 'the base'} at T={temperature}")
+        if bank is None:
+            backend = models.backend_for(base_agent["path"], model, tokenizer)
+            rollouts = run_rollouts(env, batch, backend, tokenizer, config)
+        else:
+            with bank.use(adapter) as active:
+                rollouts = run_rollouts(env, batch, models.peft_backend(base_agent["path"], active, tokenizer), tokenizer, config)
+        for j, (name, i) in enumerate(jobs):
+            out[name][i] = [bool(r.result.success) for r in rollouts[j * trials:(j + 1) * trials]]
+    return out

@@ -16,8 +16,10 @@ from trace_assets.synthesize.prefix import LoggedPrefixEnv, PrefixError, StepLab
 from trace_assets.synthesize.spec import SpecError, envspec_schema, fidelity, load_spec, schema_errors, spec_hash, validate_spec
 from trace_assets.synthesize.template import template_spec
 from trace_assets.synthesize.validate import (
+    CALIBRATION_OFFSET,
     CalibrationReport,
     calibrate,
+    calibration_rollout_seed,
     check_spec,
     gold_solvable,
     isolation_heatmap,
@@ -26,8 +28,8 @@ from trace_assets.synthesize.validate import (
 )
 
 __all__ = [
-    "CalibrationReport", "LoggedPrefixEnv", "PrefixError", "SpecError", "StepLabel", "SynthesisError", "SyntheticEnv", "SyntheticEpisode", "calibrate",
-    "check_spec", "envspec_schema", "fidelity", "gold_solvable", "isolation_heatmap", "isolation_markdown",
-    "isolation_matrix", "llm_spec", "load_spec", "logged_prefixes",
+    "CALIBRATION_OFFSET", "CalibrationReport", "LoggedPrefixEnv", "PrefixError", "SpecError", "StepLabel", "SynthesisError",
+    "SyntheticEnv", "SyntheticEpisode", "calibrate", "calibration_rollout_seed", "check_spec", "envspec_schema", "fidelity",
+    "gold_solvable", "isolation_heatmap", "isolation_markdown", "isolation_matrix", "llm_spec", "load_spec", "logged_prefixes",
     "schema_errors", "spec_hash", "template_spec", "validate_spec",
 ]

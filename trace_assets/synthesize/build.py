@@ -9,8 +9,8 @@ on base-agent rollouts, and :func:`isolation_matrix` on the calibrated spec. Not
 stores and reports the result, a benchmark uses it as it is.
 
 :class:`CalibrationRollouts` is the rollout function both give :func:`calibrate`: the batched
-runner at the calibration temperature, ``syn.max_steps`` turns, sampling seed = round index, so a
-benchmark calibrates exactly as the asset does on the same agent.
+runner at the calibration temperature, ``syn.max_steps`` turns, sampling seeds from the training
+seed and the round index, so a benchmark calibrates exactly as the asset does on the same agent.
 """
 
 from __future__ import annotations
@@ -22,7 +22,13 @@ from typing import Any
 
 from trace_assets.envs.base import Environment, EpisodeResult, Task
 from trace_assets.synthesize.env import SyntheticEnv
-from trace_assets.synthesize.validate import CalibrationReport, calibrate, check_spec, isolation_matrix
+from trace_assets.synthesize.validate import (
+    CalibrationReport,
+    calibrate,
+    calibration_rollout_seed,
+    check_spec,
+    isolation_matrix,
+)
 
 Synthesize = Callable[[dict[str, Any], Environment, list[dict[str, Any]]], tuple[dict[str, Any], list[str]]]
 """``(capability, target, failed trajectories) -> (spec, rejection reasons of earlier attempts)``."""
@@ -48,6 +54,8 @@ class CalibrationRollouts:
     max_steps: int
     max_new_tokens: int
     max_context_tokens: int
+    train_seed: int = 0
+    """The training seed (``GRPOConfig.seed``): round r samples with ``calibration_rollout_seed(train_seed, r)``."""
     log: Callable[[str], None] | None = None
     rounds: list[int] = field(default_factory=list)
     last: list[Any] = field(default_factory=list)
@@ -57,7 +65,8 @@ class CalibrationRollouts:
 
         index = len(self.rounds)
         config = RolloutConfig(max_steps=self.max_steps, max_new_tokens=self.max_new_tokens,
-                               max_context_tokens=self.max_context_tokens, temperature=temperature, seed=index)
+                               max_context_tokens=self.max_context_tokens, temperature=temperature,
+                               seed=calibration_rollout_seed(self.train_seed, index))
         repeated = [t for t in tasks for _ in range(k)]
         self._log(f"calibration round {index}: {len(repeated)} episodes at T={temperature}, "
                   f"difficulty {json.dumps(env.spec.get('difficulty', {}))}")

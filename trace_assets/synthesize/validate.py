@@ -7,7 +7,11 @@
   (an unsatisfiable rubric, a tool subset that lacks a gold tool, ...). [] = pass.
 * :func:`calibrate`: rolls out ``seeds`` tasks x ``k`` samples with the caller's ``rollout_fn`` and
   turns the difficulty knobs until mean reward and success rate lie in ``band`` and at least
-  ``min_informative`` of the groups have non-constant rewards; every round is recorded.
+  ``min_informative`` of the groups have non-constant rewards; every round is recorded. Its tasks
+  sit at ``CALIBRATION_OFFSET`` of the spec's seed range, apart from GRPO's training tasks (which
+  start at ``GRPOConfig.seed_offset = 0``), so training never starts on the very tasks the
+  difficulty was tuned on; its sampling seeds come from the training seed
+  (:func:`calibration_rollout_seed`).
 * :func:`isolation_matrix`: plays the target's expert with each capability it can be ablated of
   (its ``ablations`` hook; ``expert(..., lacking=c')``) and each of its adversarial scripted agents on the environment's
   tasks. The environment of c isolates c when the expert lacking c fails it (success at most
@@ -33,7 +37,7 @@ from trace_assets.envs.base import Environment, Task, target_hook
 from trace_assets.synthesize.env import SyntheticEnv
 from trace_assets.synthesize.spec import KNOBS, SpecError, difficulty_of, fidelity, fixed_knobs, schema_errors
 
-__all__ = ["CalibrationReport", "calibrate", "fidelity", "gold_solvable", "isolation_heatmap", "isolation_markdown",
+__all__ = ["CALIBRATION_OFFSET", "CalibrationReport", "calibrate", "calibration_rollout_seed", "fidelity", "gold_solvable", "isolation_heatmap", "isolation_markdown",
            "isolation_matrix"]
 
 
@@ -134,10 +138,29 @@ def _step(spec: dict[str, Any], direction: str, fixed: frozenset[str] = frozense
     return new
 
 
+CALIBRATION_OFFSET = 700_000
+"""Calibration tasks are seeds ``start + CALIBRATION_OFFSET ...`` of a spec's seed range. The layout of
+that range: GRPO training from 0 (``GRPOConfig.seed_offset``; the paper's 40 iterations x G 4 use
+160), the router's index from 500,000 and its validation from 600,000 (``route.index_offset``),
+calibration from 700,000, the held-out evaluation from 900,000 (``train.heldout.HELD_OUT_OFFSET``)."""
+CALIBRATION_STREAM = 2_000_000
+"""Calibration's sampling seeds are ``derive_seed(training seed, CALIBRATION_STREAM + round)``;
+GRPO's iteration ``i`` samples with ``derive_seed(seed, 1_000_000 + i)`` (``GRPOConfig.rollout_config``)."""
+
+
+def calibration_rollout_seed(train_seed: int, round_index: int) -> int:
+    """The sampling seed of calibration round ``round_index`` for training seed ``train_seed``."""
+    from trace_assets.agent.rollout import derive_seed
+
+    return derive_seed(train_seed, CALIBRATION_STREAM + round_index)
+
+
 def calibrate(spec: dict[str, Any], target_env: Environment, rollout_fn: RolloutFn, *, seeds: int = 32, k: int = 4,
               temperature: float = 1.0, band: tuple[float, float] = (0.2, 0.6), min_informative: float = 0.5,
-              max_rounds: int = 5) -> CalibrationReport:
+              max_rounds: int = 5, offset: int = CALIBRATION_OFFSET) -> CalibrationReport:
     """Adjust the difficulty until the environment gives GRPO a learning signal (module docstring).
+
+    Every round plays the same ``seeds`` tasks, at ``offset`` of the spec's seed range.
 
     Too hard (mean reward or success rate below the band; or too few informative groups with mean
     reward below the band's middle): one notch easier on every free knob (more hints, identity
@@ -149,7 +172,7 @@ def calibrate(spec: dict[str, Any], target_env: Environment, rollout_fn: Rollout
     report = CalibrationReport(passed=False, spec=current)
     for round_index in range(max_rounds):
         env = SyntheticEnv(current, target_env)
-        tasks = env.sample_tasks(seeds)
+        tasks = env.sample_tasks(seeds, offset=offset)
         results = list(rollout_fn(env, tasks, k, temperature))
         if len(results) != len(tasks) * k:
             raise ValueError(f"rollout_fn returned {len(results)} results for {len(tasks)} tasks x k={k}")

@@ -13,6 +13,11 @@ from trace_assets.agent.lora_targets import DEFAULT_TARGET_MODULES
 from trace_assets.agent.rollout import RolloutConfig, derive_seed
 
 
+LORA_INIT = "seeded-per-layer-v1"
+"""How a fresh adapter is initialized: ``agent.lora.seeded_lora_init`` with ``GRPOConfig.seed``.
+Until 2026-12-01 it was PEFT's init from torch's global RNG (not a function of the seed)."""
+
+
 @dataclass(frozen=True)
 class GRPOConfig:
     """Everything that defines a GRPO run. The defaults are the paper's (AdamW lr 1e-5, at most 40
@@ -100,8 +105,10 @@ class GRPOConfig:
 
     def identity(self) -> dict[str, Any]:
         """``to_dict()`` without :attr:`EXECUTION_FIELDS`: what an adapter's ``code_version`` and
-        folder key hash, so a memory setting tuned for a smaller machine never retrains anything."""
-        return {k: v for k, v in self.to_dict().items() if k not in self.EXECUTION_FIELDS}
+        folder key hash, so a memory setting tuned for a smaller machine never retrains anything.
+        It names the LoRA initialization scheme too (:data:`LORA_INIT`): adapters initialized
+        another way are other adapters."""
+        return {**{k: v for k, v in self.to_dict().items() if k not in self.EXECUTION_FIELDS}, "lora_init": LORA_INIT}
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -2,7 +2,9 @@
 
 Contract of :class:`GRPOTrainer` (``GRPOTrainer(model, tokenizer, env, config, output_dir).train()``):
 
-* The base model is frozen; a fresh LoRA adapter (``config.lora_*``) is the only trainable part.
+* The base model is frozen; a fresh LoRA adapter (``config.lora_*``) is the only trainable part. Its
+  initial weights are a function of ``config.seed`` alone (``agent.lora.seeded_lora_init``), so the
+  training seed drives both the initialization and the sampling.
 * Iteration ``i`` (1-based) samples ``G = config.groups`` tasks on the env's seeds
   ``seed_offset + (i-1)*G ...`` and plays ``K = config.samples_per_group`` episodes per task through
   the shared batched runner (:func:`run_rollouts`, temperature ``config.temperature``, sampling seed
@@ -97,7 +99,7 @@ from trace_assets.agent.lora import (
 from trace_assets.agent.rollout import Rollout, run_rollouts
 from trace_assets.envs.base import Environment
 from trace_assets.paths import atomic_folder, atomic_write
-from trace_assets.train.config import GRPOConfig
+from trace_assets.train.config import LORA_INIT, GRPOConfig
 
 log = logging.getLogger(__name__)
 
@@ -446,7 +448,7 @@ class GRPOTrainer:
             self.model = model
         else:
             self.model = add_lora(model, lora_config(config.lora_r, config.lora_alpha, config.lora_dropout,
-                                                     config.target_modules))
+                                                     config.target_modules), seed=config.seed)
         self.params = [p for _, p in self.model.named_parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.learning_rate, betas=config.adam_betas,
                                            weight_decay=config.weight_decay)

@@ -1,0 +1,144 @@
+"""The experiment's statistics and report: paired bootstrap over tasks x seeds, pass^k as tau2-bench
+defines it, the report, its forest plot and the README section generated from it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from trace_assets.experiment.report import (
+    README_SECTION,
+    build_report,
+    forest_png,
+    readme_section,
+    report_markdown,
+)
+from trace_assets.experiment.stats import Interval, paired_bootstrap, pass_hat_k, per_seed_means
+
+
+def _rows(p: float, seeds: int, tasks: int, rng: random.Random) -> list[list[bool]]:
+    return [[rng.random() < p for _ in range(tasks)] for _ in range(seeds)]
+
+
+def test_the_estimate_is_the_mean_over_seeds_and_the_interval_is_deterministic_in_its_seed():
+    rng = random.Random(1)
+    rows = _rows(0.4, 3, 30, rng)
+    first, _ = paired_bootstrap({"a": rows}, samples=2000, seed=7)
+    again, _ = paired_bootstrap({"a": rows}, samples=2000, seed=7)
+    other, _ = paired_bootstrap({"a": rows}, samples=2000, seed=8)
+    assert first == again
+    assert first["a"].estimate == other["a"].estimate  # the interval may move with the seed, the estimate never
+    assert first["a"].estimate == pytest.approx(sum(per_seed_means(rows)) / 3)
+    assert first["a"].low < first["a"].estimate < first["a"].high
+
+
+def test_the_interval_matches_the_exact_bootstrap_distribution_of_a_small_case():
+    """One seed, tasks [1, 0]: a replicate's mean is 0, 1/2 or 1 with probabilities 1/4, 1/2, 1/4,
+    so the 95 % percentile interval is [0, 1]; with tasks [1, 1, 1, 0] it is [0.25, 1]
+    (P(mean = 0) = 1/256 < 0.025 < P(mean <= 0.25) = 13/256, and P(mean = 1) = (3/4)^4 = 0.32)."""
+    two, _ = paired_bootstrap({"a": [[1, 0]]}, samples=20_000, seed=0)
+    assert (two["a"].low, two["a"].estimate, two["a"].high) == (0.0, 0.5, 1.0)
+    four, _ = paired_bootstrap({"a": [[1, 1, 1, 0]]}, samples=20_000, seed=0)
+    assert (four["a"].low, four["a"].high) == (0.25, 1.0)
+    assert four["a"].estimate == 0.75
+
+
+def test_seeds_are_resampled_too():
+    """Two seeds that disagree entirely: a tasks-only bootstrap would give exactly 0.5 every time;
+    resampling seeds reaches 0 and 1."""
+    intervals, _ = paired_bootstrap({"a": [[1] * 20, [0] * 20]}, samples=4000, seed=0)
+    assert intervals["a"].estimate == 0.5
+    assert intervals["a"].low == 0.0 and intervals["a"].high == 1.0
+
+
+def test_the_difference_is_paired_on_the_same_tasks_and_seeds():
+    """B solves A's tasks plus six more, on every seed: each system's interval is wide (task
+    difficulty varies), but the paired difference is exactly what B adds, and excludes zero (a
+    replicate draws none of the six with probability (34/40)^40 = 0.0015 < 0.025)."""
+    rng = random.Random(3)
+    a = _rows(0.35, 1, 40, rng) * 3
+    extra = {j for j, x in enumerate(a[0]) if not x}
+    extra = set(sorted(extra)[:6])
+    b = [[x or j in extra for j, x in enumerate(row)] for row in a]
+    systems, diffs = paired_bootstrap({"a": a, "b": b}, contrasts=[("b", "a"), ("a", "a")], samples=3000, seed=0)
+    d = diffs[("b", "a")]
+    assert d.estimate == pytest.approx(sum(sum(r) for r in b) / 120 - sum(sum(r) for r in a) / 120)
+    assert d.excludes_zero() and d.low > 0
+    assert systems["a"].high > systems["b"].low  # unpaired, the two intervals overlap
+    assert diffs[("a", "a")] == Interval(0.0, 0.0, 0.0)
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="same seeds x tasks"):
+        paired_bootstrap({"a": [[1, 0]], "b": [[1, 0, 1]]})
+    with pytest.raises(ValueError, match="no system"):
+        paired_bootstrap({"a": [[1, 0]]}, contrasts=[("a", "b")])
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        paired_bootstrap({"a": [[2, 0]]})
+    with pytest.raises(ValueError):
+        paired_bootstrap({"a": []})
+
+
+def test_pass_hat_k_is_tau2_benchs():
+    # task 1: 4/4 -> 1; task 2: 3/4 -> C(3,2)/C(4,2) = 0.5; task 3: 1/4 -> 0
+    trials = [[1, 1, 1, 1], [1, 0, 1, 1], [0, 0, 1, 0]]
+    assert pass_hat_k(trials, 2) == pytest.approx((1 + 0.5 + 0) / 3)
+    assert pass_hat_k(trials, 1) == pytest.approx((4 + 3 + 1) / 12)  # pass^1 is the success rate
+    assert pass_hat_k(trials, 4) == pytest.approx(1 / 3)
+    assert pass_hat_k([[0.99, 1.0]], 1) == 0.5  # success is reward == 1, as in tau2-bench
+    with pytest.raises(ValueError, match="fewer than k"):
+        pass_hat_k(trials, 5)
+    with pytest.raises(ValueError):
+        pass_hat_k(trials, 0)
+
+
+def _report(seeds=(0, 1, 2), n=18):
+    rng = random.Random(0)
+    base = _rows(0.4, 1, n, rng) * len(seeds)
+    outcomes = {"base": base, "trace_routed": [[x or rng.random() < 0.5 for x in base[0]] for _ in seeds],
+                "oracle": [[True] * n for _ in seeds], "grpo_target": _rows(0.4, len(seeds), n, rng),
+                "confirm_before_writing": _rows(0.5, len(seeds), n, rng), "null:confirm_before_writing": base}
+    return build_report(outcomes, seeds=list(seeds), task_ids=[f"t{i}" for i in range(n)],
+                        families=["cancel", "modify", "status"] * (n // 3),
+                        rollouts={"base": [0] * len(seeds), "trace_routed": [96] * len(seeds), "grpo_target": [96] * len(seeds)},
+                        tokens={"trace_routed": [1000, 1100, None][: len(seeds)]},
+                        trials={"base": [[1, 1, 0, 1]] * n}, samples=2000, notes=["trained all of C*"])
+
+
+def test_the_report_carries_intervals_contrasts_and_what_was_spent():
+    report = _report()
+    names = [r["system"] for r in report["systems"]]
+    assert names == ["base", "trace_routed", "oracle", "grpo_target", "confirm_before_writing", "null:confirm_before_writing"]
+    assert [(c["a"], c["b"]) for c in report["contrasts"]] == [("trace_routed", "base"), ("trace_routed", "grpo_target"),
+                                                                ("oracle", "trace_routed")]  # no ablation evaluated
+    for row in report["systems"] + report["contrasts"]:
+        assert row["low"] <= row["estimate"] <= row["high"]
+    trace = next(r for r in report["systems"] if r["system"] == "trace_routed")
+    assert trace["rollouts"]["mean"] == 96 and trace["tokens"]["mean"] == 1050
+    assert report["pass_k"][0]["pass_hat_k"] == 0.0 and report["pass_k"][0]["pass_hat_1"] == 0.75
+    assert set(report["by_family"]["oracle"].values()) == {1.0}
+    md = report_markdown(report, figure="experiment_forest.png")
+    assert "95 % interval" in md and "TRACE routed − base" in md and "![forest plot](experiment_forest.png)" in md
+    assert "trained all of C*" in md and "null control of confirm_before_writing" in md
+    png = forest_png(report)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    with pytest.raises(ValueError, match="one row per seed"):
+        build_report({"base": [[1]]}, seeds=[0, 1], task_ids=["t"], families=["f"])
+
+
+def test_the_readme_section_is_generated_and_spliced_between_its_markers():
+    from trace_assets.reports import ReadmeSectionError, splice
+
+    report = _report()
+    section = readme_section(report)
+    assert section.startswith("## Experiment results") and "<!--" not in section
+    trace_vs_base = report["contrasts"][0]
+    assert f"{100 * trace_vs_base['estimate']:+.1f} points" in section
+    begin, end = f"<!-- {README_SECTION}:begin -->", f"<!-- {README_SECTION}:end -->"
+    readme = "# Title\n\nintro\n\n" + begin + "\nold numbers\n" + end + "\n\n## After\n"
+    spliced = splice(readme, README_SECTION, section)
+    assert "old numbers" not in spliced and section in spliced and spliced.endswith("## After\n")
+    assert splice(spliced, README_SECTION, section) == spliced  # idempotent
+    with pytest.raises(ReadmeSectionError, match="experiment:begin"):
+        splice("# T\n" + end + "\n" + begin, README_SECTION, section)

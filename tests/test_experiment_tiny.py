@@ -1,0 +1,86 @@
+"""``make experiment``'s code path on the tiny profile, 2 training seeds, end to end on a real Dagster
+instance: the wave runner materializes the experiment's assets; the report has intervals and a forest
+plot; a second run recomputes nothing; the demo's Step-4 assets are left alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from dagster import AssetKey, DagsterInstance
+from dagster._core.definitions.data_version import StaleStatus
+
+from trace_assets.settings import TINY
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory):
+    from trace_assets.assets.experiment import EXPERIMENT_SELECTION
+    from trace_assets.definitions import build_definitions
+    from trace_assets.orchestrate import run_stale
+
+    home = tmp_path_factory.mktemp("experiment")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRACE_DATA_DIR", str(home / "data"))
+    (home / "dagster").mkdir()
+    instance = DagsterInstance.local_temp(str(home / "dagster"), overrides={"telemetry": {"enabled": False}})
+    # One capability of C*, for the time; two seeds, as the profile has.
+    settings = dataclasses.replace(TINY, selection=dataclasses.replace(TINY.selection, max_selected=1))
+    assert len(settings.experiment.seeds) == 2
+    defs = build_definitions(settings)
+    run_ids, failures = run_stale(defs, instance, EXPERIMENT_SELECTION)
+    yield defs, instance, run_ids, failures, home / "data"
+    mp.undo()
+
+
+def test_the_experiment_runs_every_seed_and_reports_intervals(experiment):
+    defs, instance, run_ids, failures, data = experiment
+    assert not failures, failures
+    assert run_ids
+    report = json.loads((data / "reports" / "experiment.json").read_text())
+    assert report["seeds"] == ["0", "1"]
+    systems = {r["system"]: r for r in report["systems"]}
+    assert {"base", "trace_routed", "oracle", "grpo_target", "grpo_target_families"} <= set(systems)
+    assert any(n.startswith("null:") for n in systems)
+    for row in report["systems"] + report["contrasts"]:
+        assert row["low"] <= row["estimate"] <= row["high"]
+        assert len(row.get("per_seed", [0, 0])) == 2
+    assert [(c["a"], c["b"]) for c in report["contrasts"]][:2] == [("trace_routed", "base"), ("trace_routed", "grpo_target")]
+    assert systems["grpo_target"]["rollouts"]["mean"] > 0
+    passes = {r["system"]: r for r in report["pass_k"]}  # tiny: pass^2 from 2 sampled episodes per task
+    assert set(passes) == {"base", "trace_routed", "grpo_target"}
+    assert all(r["k"] == 2 and r["trials_per_task"] == 2 and 0.0 <= r["pass_hat_k"] <= r["pass_hat_1"] <= 1.0
+               for r in passes.values())
+    markdown = (data / "reports" / "experiment.md").read_text()
+    assert "95 % interval" in markdown and "TRACE routed − base" in markdown
+    png = (data / "reports" / "experiment_forest.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    event = instance.get_latest_materialization_event(AssetKey("experiment_report"))
+    assert "forest_plot" in event.asset_materialization.metadata
+    for key in ("router_eval", "grpo_baseline", "lora_adapter"):  # the demo's assets: not this job's
+        assert instance.get_latest_materialization_event(AssetKey(key)) is None, key
+
+
+def test_each_seed_trains_its_own_adapters(experiment):
+    defs, instance, *_ = experiment
+    from dagster import AssetRecordsFilter
+
+    records = instance.fetch_materializations(AssetRecordsFilter(asset_key=AssetKey("experiment_adapter")), limit=10).records
+    by_seed = {}
+    for record in records:
+        key = record.event_log_entry.dagster_event.partition
+        by_seed[key.split("|")[1]] = record.asset_materialization.metadata["model_name"].value
+    assert set(by_seed) == {"0", "1"}
+    assert by_seed["0"] != by_seed["1"] and all("experiment-seed" in v for v in by_seed.values())
+
+
+def test_a_second_run_recomputes_nothing(experiment):
+    from trace_assets.assets.experiment import EXPERIMENT_SELECTION
+    from trace_assets.orchestrate import run_stale, stale_items
+
+    defs, instance, *_ = experiment
+    statuses = stale_items(defs, instance, EXPERIMENT_SELECTION)
+    assert statuses and all(s == StaleStatus.FRESH for s in statuses.values()), \
+        {k: s for k, s in statuses.items() if s != StaleStatus.FRESH}
+    assert run_stale(defs, instance, EXPERIMENT_SELECTION) == ([], [])

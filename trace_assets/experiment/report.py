@@ -1,0 +1,179 @@
+"""The experiment's report: per-system success over seeds with intervals, the paired differences,
+the forest plot, ``reports/experiment.md`` and the README's results section.
+
+:func:`build_report` turns per-seed, per-task outcomes into a JSON-able dict (the one source of
+every number downstream); :func:`report_markdown` renders it for ``reports/experiment.md`` and the
+asset metadata; :func:`forest_png` draws it; :func:`readme_section` renders the README's results
+section from the same dict, which ``trace readme`` splices between ``<!-- experiment:begin -->``
+and ``<!-- experiment:end -->`` (``trace_assets.reports.splice``). All of them are pure.
+
+System names (as ``route.evaluation`` writes them): :data:`BASE`, :data:`TRACE` (routed by the
+configured router), ``oracle``, every adapter alone, its null control ``null:<adapter>``,
+:data:`GRPO` (GRPO on the target at equal rollouts) and :data:`ABLATION` (GRPO at equal rollouts on
+the target families the synthetic environments draw from, with the target's binary reward).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import polars as pl
+
+from trace_assets.experiment.stats import LEVEL, SAMPLES, paired_bootstrap, pass_hat_k, per_seed_means
+from trace_assets.figures import forest_plot, to_markdown
+
+BASE, TRACE, ORACLE, GRPO, ABLATION = "base", "trace_routed", "oracle", "grpo_target", "grpo_target_families"
+CONTRASTS = ((TRACE, BASE), (TRACE, GRPO), (TRACE, ABLATION), (ORACLE, TRACE))
+"""The paired differences reported, when both systems were evaluated: the two the claim rests on
+first, then isolation against reward shaping, then what routing leaves on the table."""
+LABELS = {BASE: "base", TRACE: "TRACE routed", ORACLE: "oracle routing", GRPO: "GRPO on target",
+          ABLATION: "GRPO on target families, binary reward"}
+README_SECTION = "experiment"
+"""The README's generated section this report fills (``trace_assets.reports.splice``)."""
+REPORT_VERSION = 1
+
+
+def label(system: str) -> str:
+    if system in LABELS:
+        return LABELS[system]
+    if system.startswith("null:"):
+        return f"null control of {system[5:]}"
+    return f"adapter {system} alone"
+
+
+def build_report(outcomes: Mapping[str, Sequence[Sequence[float | bool]]], *, seeds: Sequence[str | int],
+                 task_ids: Sequence[str], families: Sequence[str],
+                 rollouts: Mapping[str, Sequence[int | None]] | None = None,
+                 tokens: Mapping[str, Sequence[int | None]] | None = None,
+                 trials: Mapping[str, Sequence[Sequence[bool | float]]] | None = None, pass_k: int = 4,
+                 samples: int = SAMPLES, level: float = LEVEL, bootstrap_seed: int = 0,
+                 notes: Sequence[str] = ()) -> dict[str, Any]:
+    """The report dict (module docstring). ``outcomes[system]``: seeds x tasks successes, rows in the
+    order of ``seeds``, columns in the order of ``task_ids`` (``families`` gives each task's family).
+    ``rollouts`` / ``tokens``: per system, what its training spent with each seed (None: not
+    recorded). ``trials``: per system, per task (or per (seed, task): pass^k is then the mean over
+    seeds), the successes of repeated sampled episodes, for pass^``pass_k``. ``notes``: lines the report carries verbatim (what was cut, and why)."""
+    order = list(outcomes)
+    n_seeds = len(seeds)
+    if any(len(rows) != n_seeds for rows in outcomes.values()):
+        raise ValueError(f"every system needs one row per seed ({n_seeds})")
+    if len(task_ids) != len(families) or any(len(row) != len(task_ids) for rows in outcomes.values() for row in rows):
+        raise ValueError("every row needs one outcome per task, and every task a family")
+    contrasts = [(a, b) for a, b in CONTRASTS if a in outcomes and b in outcomes]
+    systems, differences = paired_bootstrap(outcomes, contrasts=contrasts, samples=samples, level=level,
+                                            seed=bootstrap_seed)
+
+    def spent(table, name):
+        values = list((table or {}).get(name) or [])
+        known = [v for v in values if v is not None]
+        return {"per_seed": values, "mean": sum(known) / len(known) if known else None}
+
+    rows = [{"system": name, "label": label(name), **systems[name].to_dict(), "per_seed": per_seed_means(outcomes[name]),
+             "rollouts": spent(rollouts, name), "tokens": spent(tokens, name)} for name in order]
+    contrast_rows = [{"a": a, "b": b, "label": f"{label(a)} − {label(b)}", **differences[(a, b)].to_dict(),
+                      "excludes_zero": differences[(a, b)].excludes_zero()} for a, b in contrasts]
+    by_family: dict[str, dict[str, float]] = {}
+    for name in order:
+        for family in sorted(set(families)):
+            columns = [j for j, f in enumerate(families) if f == family]
+            cells = [float(row[j]) for row in outcomes[name] for j in columns]
+            by_family.setdefault(name, {})[family] = sum(cells) / len(cells)
+    pass_rows = []
+    for name, per_task in (trials or {}).items():
+        n = min((len(t) for t in per_task), default=0)
+        pass_rows.append({"system": name, "label": label(name), "k": pass_k, "trials_per_task": n,
+                          "pass_hat_k": pass_hat_k(per_task, pass_k) if n >= pass_k else None,
+                          "pass_hat_1": pass_hat_k(per_task, 1) if n else None})
+    return {
+        "version": REPORT_VERSION, "seeds": [str(s) for s in seeds], "n_tasks": len(task_ids),
+        "task_ids": list(task_ids), "families": list(families), "level": level, "bootstrap_samples": samples,
+        "bootstrap_seed": bootstrap_seed, "systems": rows, "contrasts": contrast_rows, "by_family": by_family,
+        "pass_k": pass_rows, "notes": list(notes),
+    }
+
+
+def systems_table(report: dict[str, Any]) -> pl.DataFrame:
+    """One row per system: success (mean over seeds) with its interval, per-seed means, rollouts and tokens."""
+    pct = lambda x: round(100.0 * x, 1)  # noqa: E731
+    return pl.DataFrame([{
+        "system": r["label"], "success %": pct(r["estimate"]),
+        f"{round(100 * report['level'])} % interval": f"[{pct(r['low'])}, {pct(r['high'])}]",
+        "per seed %": ", ".join(f"{pct(x)}" for x in r["per_seed"]),
+        "rollouts": _spent_text(r["rollouts"]), "tokens": _spent_text(r["tokens"]),
+    } for r in report["systems"]])
+
+
+def contrasts_table(report: dict[str, Any]) -> pl.DataFrame:
+    pct = lambda x: round(100.0 * x, 1)  # noqa: E731
+    return pl.DataFrame([{
+        "difference": c["label"], "points": pct(c["estimate"]),
+        f"{round(100 * report['level'])} % interval": f"[{pct(c['low'])}, {pct(c['high'])}]",
+        "excludes 0": "yes" if c["excludes_zero"] else "no",
+    } for c in report["contrasts"]], schema={"difference": pl.String, "points": pl.Float64,
+                                             f"{round(100 * report['level'])} % interval": pl.String, "excludes 0": pl.String})
+
+
+def _spent_text(spent: dict[str, Any]) -> str:
+    """The mean over seeds; "—" when the caller gave nothing for the system or seeds."""
+    return "—" if spent["mean"] is None else f"{spent['mean']:,.0f}"
+
+
+def _protocol(report: dict[str, Any]) -> str:
+    return (f"{report['n_tasks']} held-out test tasks × {len(report['seeds'])} training seeds "
+            f"({', '.join(report['seeds'])}); success is the mean over seeds; intervals: {round(100 * report['level'])} % "
+            f"paired bootstrap over tasks × seeds ({report['bootstrap_samples']:,} replicates, seed "
+            f"{report['bootstrap_seed']}).")
+
+
+def report_markdown(report: dict[str, Any], *, figure: str | None = None) -> str:
+    """``reports/experiment.md``: protocol, systems, differences, the forest plot (``figure``: its
+    path relative to the markdown), pass^k, success by family, notes."""
+    parts = ["# TRACE experiment", _protocol(report), "## Success per system", to_markdown(systems_table(report), float_precision=1),
+             "## Paired differences", to_markdown(contrasts_table(report), float_precision=1) if report["contrasts"] else "_none_"]
+    if figure:
+        parts.append(f"![forest plot]({figure})")
+    if report["pass_k"]:
+        parts += ["## pass^k (tau2-bench: mean over tasks of C(c, k) / C(n, k))",
+                  to_markdown(pl.DataFrame([{"system": r["label"], "k": r["k"], "trials per task": r["trials_per_task"],
+                                             "pass^k": r["pass_hat_k"], "pass^1": r["pass_hat_1"]} for r in report["pass_k"]]))]
+    families = sorted({f for per in report["by_family"].values() for f in per})
+    parts += ["## Success by task family (mean over seeds, %)",
+              to_markdown(pl.DataFrame([{"system": label(name), **{f: round(100.0 * per[f], 1) for f in families}}
+                                        for name, per in report["by_family"].items()]), float_precision=1)]
+    if report["notes"]:
+        parts += ["## Notes", "\n".join(f"- {n}" for n in report["notes"])]
+    parts.append(f"<!-- report data: {json.dumps({'version': report['version'], 'seeds': report['seeds']})} -->")
+    return "\n\n".join(parts) + "\n"
+
+
+def forest_png(report: dict[str, Any]) -> bytes:
+    """The forest plot: success per system, and the paired differences against a zero line."""
+    panels = {"success per system": [{"label": r["label"], **{k: r[k] for k in ("estimate", "low", "high")}}
+                                     for r in report["systems"]]}
+    reference = {}
+    if report["contrasts"]:
+        panels["paired differences"] = [{"label": c["label"], **{k: c[k] for k in ("estimate", "low", "high")}}
+                                        for c in report["contrasts"]]
+        reference["paired differences"] = 0.0
+    title = (f"{report['n_tasks']} test tasks x {len(report['seeds'])} seeds; {round(100 * report['level'])} % "
+             "paired bootstrap intervals over tasks x seeds")
+    return forest_plot(panels, reference=reference, xlabels={"success per system": "success, %"}, title=title)
+
+
+def readme_section(report: dict[str, Any], *, figure: str = "docs/experiment_forest.png") -> str:
+    """The body of the README's results section, generated from the report (never typed by hand)."""
+    headline = {(c["a"], c["b"]): c for c in report["contrasts"]}
+    lines = ["## Experiment results", "",
+             "_Generated from `reports/experiment.md` by `trace_assets.experiment.report.readme_section`; do not edit by hand._",
+             "", _protocol(report), "", to_markdown(systems_table(report), float_precision=1), "", to_markdown(contrasts_table(report), float_precision=1)
+             if report["contrasts"] else "_no paired differences_", ""]
+    for key in ((TRACE, BASE), (TRACE, GRPO)):
+        if key in headline:
+            c = headline[key]
+            verdict = "excludes zero" if c["excludes_zero"] else "includes zero: not resolved"
+            lines.append(f"- {c['label']}: {100 * c['estimate']:+.1f} points, interval "
+                         f"[{100 * c['low']:+.1f}, {100 * c['high']:+.1f}] ({verdict}).")
+    lines += ["", f"![forest plot]({figure})"]
+    return "\n".join(lines)

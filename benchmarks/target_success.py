@@ -1,0 +1,138 @@
+"""An agent's greedy success on a target environment's split (measured, not asserted).
+
+The base_trajectories asset's rollouts, outside the pipeline: the same runner, the same
+``[rollout]`` limits and generation path (``ModelResource.backend_for``: vLLM where it runs), on
+the tasks of one split of a registered target (``tau2_airline``: its official split; ``retail``:
+the pipeline's ``task_splits`` draw). Nothing is stored: it prints a rich table per family and
+the total (success, mean reward, turns, generated tokens, wall time, episodes per second) and
+writes ``<out>.json`` with every episode's task id, reward, success and the per-check breakdown.
+Which split it reads is the caller's choice and is printed; choosing anything by the ``test``
+split is what the pipeline never does.
+
+    .venv/bin/python benchmarks/target_success.py --env tau2_airline --split train \\
+        --agent data/models/base_agent/<key>
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--env", default="tau2_airline", help="a registered target environment")
+    ap.add_argument("--split", default="train", choices=("demo", "train", "test"))
+    ap.add_argument("--agent", required=True, help="the agent's model folder (e.g. data/models/base_agent/<key>)")
+    ap.add_argument("--profile", default=None, help="settings profile (default $TRACE_PROFILE or demo)")
+    ap.add_argument("--limit", type=int, default=0, help="at most this many tasks (0: all)")
+    ap.add_argument("--max-steps", type=int, default=None, help="assistant turns per episode (default [rollout])")
+    ap.add_argument("--out", default=None, help="output path without extension (default <data>/reports/target_success_<env>_<split>)")
+    return ap.parse_args(argv)
+
+
+def task_list(env: Any, settings: Any, split: str) -> list[Any]:
+    """The split's tasks as the pipeline's ``task_splits`` makes them (official where the target has one)."""
+    from trace_assets.envs.splits import make_splits
+
+    official = getattr(env, "official_splits", None)
+    if official is not None:
+        return list(official()[split])
+    t = settings.tasks
+    return make_splits(env, demo_per_family=t.demo_per_family, train_per_family=t.train_per_family,
+                       test_per_family=t.test_per_family, seed=t.seed)[split]
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    from dataclasses import replace
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from resources.models import ModelResource
+    from trace_assets import paths
+    from trace_assets.agent.model import load_tokenizer, resolve_model
+    from trace_assets.agent.rollout import RolloutConfig, run_rollouts
+    from trace_assets.definitions import build_resources
+    from trace_assets.envs import get_environment
+    from trace_assets.settings import load_settings
+
+    args = parse_args(argv)
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
+    console = Console(width=140)
+    settings = load_settings(args.profile)
+    agent = resolve_model(args.agent)
+    pipeline = build_resources(settings)["models"]
+    models = ModelResource(**{**{k: getattr(pipeline, k) for k in ModelResource.model_fields}, "base_model": agent})
+    env = get_environment(args.env)
+    tasks = task_list(env, settings, args.split)[: args.limit or None]
+    roll = settings.rollout if args.max_steps is None else replace(settings.rollout, max_steps=args.max_steps)
+    config = RolloutConfig.from_limits(roll, temperature=roll.temperature, seed=roll.seed)
+    tokenizer = load_tokenizer(agent)
+    backend = models.backend_for(agent)
+    console.print(f"{args.env} / {args.split}: {len(tasks)} tasks, agent {agent}, {models.backend_label(backend)}, "
+                  f"<= {config.max_steps} turns, T {config.temperature}")
+    started = time.perf_counter()
+
+    def progress(done: int, total: int) -> None:
+        console.print(f"  {done}/{total} episodes finished ({time.perf_counter() - started:.0f} s)")
+
+    rollouts = run_rollouts(env, tasks, backend, tokenizer, config, progress=progress)
+    wall = time.perf_counter() - started
+    close = getattr(env, "close", None)
+    if close is not None:
+        close()
+
+    episodes = [{
+        "task_id": r.task.task_id, "family": r.task.family, "reward": float(r.result.reward),
+        "success": bool(r.result.success), "turns": r.steps, "generated_tokens": r.n_generated,
+        "truncated": r.truncated, "stop_reason": r.stop_reason,
+        "error": r.error or r.result.info.get("error"), "checks": r.result.info.get("checks"),
+    } for r in rollouts]
+    by_family: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for e in episodes:
+        by_family[e["family"]].append(e)
+    table = Table(title=f"{args.env} {args.split} split, greedy")
+    for col in ("family", "tasks", "success", "mean reward", "mean turns", "errors"):
+        table.add_column(col, justify="right" if col != "family" else "left")
+
+    def row(name: str, es: list[dict[str, Any]]) -> list[str]:
+        n = max(len(es), 1)
+        return [name, str(len(es)), f"{sum(e['success'] for e in es)}/{len(es)}",
+                f"{sum(e['reward'] for e in es) / n:.3f}", f"{sum(e['turns'] for e in es) / n:.1f}",
+                str(sum(bool(e["error"]) for e in es))]
+
+    for family in sorted(by_family):
+        table.add_row(*row(family, by_family[family]))
+    table.add_row(*row("all", episodes), style="bold")
+    console.print(table)
+    tokens = sum(e["generated_tokens"] for e in episodes)
+    summary = {
+        "env": args.env, "split": args.split, "agent": agent, "backend": models.backend_label(backend),
+        "max_steps": config.max_steps, "tasks": len(episodes), "successes": sum(e["success"] for e in episodes),
+        "success_rate": sum(e["success"] for e in episodes) / max(len(episodes), 1),
+        "mean_reward": sum(e["reward"] for e in episodes) / max(len(episodes), 1),
+        "errors": sum(bool(e["error"]) for e in episodes), "generated_tokens": tokens, "wall_s": round(wall, 1),
+        "episodes_per_s": round(len(episodes) / wall, 4) if wall else None,
+        "tokens_per_s": round(tokens / wall, 1) if wall else None,
+    }
+    console.print(f"success {summary['successes']}/{summary['tasks']} ({100 * summary['success_rate']:.1f} %), "
+                  f"mean reward {summary['mean_reward']:.3f}; {wall:.0f} s, {summary['episodes_per_s']} episodes/s, "
+                  f"{summary['tokens_per_s']} generated tokens/s")
+    out = Path(args.out) if args.out else paths.sub("reports") / f"target_success_{args.env}_{args.split}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    paths.atomic_write(out.with_suffix(".json"), json.dumps({**summary, "episodes": episodes}, indent=1, default=str))
+    console.print(f"wrote {out.with_suffix('.json')}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

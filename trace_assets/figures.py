@@ -36,8 +36,6 @@ def success_by_family(records: Iterable[dict[str, Any]]) -> pl.DataFrame:
 def delta_cov_scatter(summary: pl.DataFrame, *, delta: float | None = None, rho: float | None = None, title: str = "") -> bytes:
     """PNG scatter of mean Delta (x) against mean Cov (y), one labelled point per capability,
     with the delta and rho threshold lines when given."""
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -61,6 +59,15 @@ def delta_cov_scatter(summary: pl.DataFrame, *, delta: float | None = None, rho:
     if delta is not None or rho is not None:
         ax.legend(loc="lower right")
     ax.set_title(title or "capabilities: contrast against coverage")
+    return _png(fig)
+
+
+def _png(fig: Any) -> bytes:
+    """``fig`` laid out and rendered as PNG bytes; the figure is closed."""
+    import io
+
+    import matplotlib.pyplot as plt
+
     buf = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buf, format="png")
@@ -89,8 +96,6 @@ def png_metadata(png: bytes, name: str) -> dict[str, Any]:
 
 def reward_histogram(rewards: list[float], *, title: str = "") -> bytes:
     """PNG histogram of episode rewards in [0, 1] (10 bins)."""
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -101,17 +106,11 @@ def reward_histogram(rewards: list[float], *, title: str = "") -> bytes:
     ax.set_xlabel("episode reward")
     ax.set_ylabel("episodes")
     ax.set_title(title or f"{len(rewards)} episodes")
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
+    return _png(fig)
 
 
 def heatmap(values: list[list[float]], rows: list[str], columns: list[str], *, title: str = "") -> bytes:
     """PNG heatmap of ``values`` in [0, 1] (rows x columns), each cell annotated with its value."""
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -126,11 +125,7 @@ def heatmap(values: list[list[float]], rows: list[str], columns: list[str], *, t
             ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7)
     fig.colorbar(image, ax=ax, fraction=0.03)
     ax.set_title(title, fontsize=9)
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
+    return _png(fig)
 
 
 def forest_plot(panels: dict[str, list[dict[str, Any]]], *, reference: dict[str, float] | None = None,
@@ -140,8 +135,6 @@ def forest_plot(panels: dict[str, list[dict[str, Any]]], *, reference: dict[str,
     is a point with its interval. ``reference[panel]`` (a fraction) draws a dashed vertical line,
     e.g. 0 for differences; an interval that excludes it is drawn in a stronger colour.
     ``xlabels[panel]`` names a panel's axis (default: percentage points)."""
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -169,8 +162,4 @@ def forest_plot(panels: dict[str, list[dict[str, Any]]], *, reference: dict[str,
         ax.margins(x=0.25)
     if title:
         fig.suptitle(title, fontsize=10)
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
+    return _png(fig)

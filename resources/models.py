@@ -32,6 +32,8 @@ class ModelResource(ConfigurableResource):
     vllm_enforce_eager: bool = Field(
         default=False, description="Skip vLLM's torch.compile: faster start (~8 s vs ~70 s), slower decoding.")
     vllm_kv_cache_gb: float = Field(default=4.0, description="vLLM KV cache size in GiB.")
+    vllm_max_model_len: int = Field(
+        default=4096, description="vLLM's context length in tokens (prompt + generated); the settings' longest context.")
     vllm_dtype: str = Field(
         default="auto", description="'auto' (bfloat16 where computed natively, else float32), 'float32' or 'bfloat16'.")
 
@@ -92,7 +94,7 @@ class ModelResource(ConfigurableResource):
         if self.generation_backend == "auto" and (path, lora) in _FAILED_ENGINES:
             return None
         options = VLLMOptions(enforce_eager=self.vllm_enforce_eager, kv_cache_gb=self.vllm_kv_cache_gb, enable_lora=lora,
-                              dtype=self.resolved_vllm_dtype())
+                              dtype=self.resolved_vllm_dtype(), max_model_len=self.vllm_max_model_len)
         try:
             return VLLMEngine.shared(path, options)
         except Exception as exc:

@@ -288,12 +288,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             continue
         adapters[capability] = str(folder)
         console.print(f"adapter [bold]{capability}[/] = trace-lora-{capability} v{version} @{args.alias} → {folder}")
-    from resources.models import ModelResource
+    from trace_assets.definitions import build_resources
     from trace_assets.settings import load_settings
 
-    # The dtype the pipeline's own rollouts and evaluation used (``[generation] vllm_dtype``).
-    dtype = args.dtype or ModelResource(vllm_dtype=load_settings().generation.vllm_dtype).resolved_vllm_dtype()
-    cmd = serve_command(base, adapters, host=args.host, port=args.port, eager=args.eager, dtype=dtype)
+    # The dtype and context length the pipeline's own rollouts and evaluation used.
+    models = build_resources(load_settings())["models"]
+    dtype = args.dtype or models.resolved_vllm_dtype()
+    cmd = serve_command(base, adapters, host=args.host, port=args.port, eager=args.eager, dtype=dtype,
+                        max_model_len=models.vllm_max_model_len)
     console.print(f"base model: {base}\n$ {shlex.join(cmd)}")
     if args.dry_run:
         return 0

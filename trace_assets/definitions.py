@@ -83,6 +83,8 @@ def build_resources(settings: Settings) -> dict:
             base_model=settings.base_model, generation_batch_size=settings.rollout.batch_size,
             generation_backend=settings.generation.backend, vllm_enforce_eager=settings.generation.vllm_enforce_eager,
             vllm_kv_cache_gb=settings.generation.vllm_kv_cache_gb, vllm_dtype=settings.generation.vllm_dtype,
+            # The engine holds the longest context any step asks for (tau2_airline's prompt is ~3.7k).
+            vllm_max_model_len=max(4096, settings.rollout.max_context_tokens, settings.train.grpo.max_context_tokens),
         ),
         "store": TraceStore(),
         "analyst": AnalystResource(

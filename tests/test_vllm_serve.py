@@ -122,7 +122,9 @@ def test_trace_serve_answers_chat_and_serves_the_adapter_exactly(tmp_path: Path,
 @pytest.mark.timeout(900)
 def test_llm_analyst_against_the_demo_model_served_by_vllm(tmp_path: Path) -> None:
     """Robustness only: a 135M model writes poor JSON. Every call must end in validated artifacts
-    or an LLMError after the bounded retries; nothing else may escape, and calls stay bounded."""
+    or an LLMError; nothing else may escape, and calls stay bounded. No retries here: each call
+    decodes up to 1,500 tokens on the CPU, and the retry loop is tested against scripted endpoints
+    (tests/test_analysts.py)."""
     from trace_assets.agent.model import ensure_demo_model
     from trace_assets.envs import get_environment
     from trace_assets.envs.retail.expert import demonstrate
@@ -140,13 +142,13 @@ def test_llm_analyst_against_the_demo_model_served_by_vllm(tmp_path: Path) -> No
     d_minus = [t for t in trajectories if not t["success"]] or trajectories[2:]
     with _Server(tmp_path, "--model", str(ensure_demo_model())) as server:
         analyst = LLMAnalyst(ChatClient(base_url=server.base_url, model="trace-base", timeout_s=300),
-                             max_retries=1, max_examples=2, max_chars=600)
+                             max_retries=0, max_examples=2, max_chars=600)
         try:
             dictionary = analyst.induce(d_plus, d_minus)
             assert dictionary and all(isinstance(c, Capability) for c in dictionary)
         except LLMError as exc:
             assert "invalid" in str(exc).lower() or "retries" in str(exc).lower() or exc.args
-        assert 1 <= analyst.calls <= 2
+        assert analyst.calls == 1
         capabilities = [Capability("confirm_before_writing", "Asks the user to confirm before any write.", [], []),
                         Capability("authenticate_before_acting", "Verifies identity before account actions.", [], [])]
         before = analyst.calls
@@ -155,4 +157,4 @@ def test_llm_analyst_against_the_demo_model_served_by_vllm(tmp_path: Path) -> No
             assert [l.capability for l in labels] == [c.name for c in capabilities]
         except LLMError:
             pass
-        assert 1 <= analyst.calls - before <= 2
+        assert analyst.calls - before == 1

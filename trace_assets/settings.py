@@ -63,7 +63,11 @@ class WarmStartSettings:
     lora_r: int = 16
     lora_alpha: int = 32
     batch_size: int = 4
-    micro_batch_size: int = 4
+    micro_batch_size: int = 1
+    """Demos per forward/backward pass; the same loss and gradient however a batch is split. On 8
+    demo-model demos (benchmarks/warmstart_memory.py, 2-core AVX-512-BF16 Xeon): micro-batch 4
+    peaked at 6.8 GB RSS in 36.5 s, 1 at 5.0 GB in 56.7 s, 1 with checkpointing at 2.7 GB in 73.7 s.
+    1 keeps the demo's warm-start under 8 GB at 1.55x the time; checkpointing halves it again."""
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, same loss
     confirm_rate: float = 0.5  # share of demos whose expert asks for confirmation before writes
     max_length: int = 3072  # demos run ~1.8k tokens (1.1k of them system + tools); never truncate
@@ -92,7 +96,11 @@ class GenerationSettings:
 
     backend: str = "auto"
     vllm_enforce_eager: bool = False
-    vllm_kv_cache_gb: float = 4.0
+    vllm_kv_cache_gb: float = 2.0
+    """Allocated when an engine starts and held by the process while it lives. The demo model's KV
+    takes 22.5 KiB per token (30 layers x 3 KV heads x 64 x K and V in bf16), so 2 GiB hold ~93k
+    tokens (46k in fp32): 32 concurrent 2.9k-token episodes. Beyond that vLLM queues requests; each prompt keeps
+    its own seed, so a sample depends on its batch only through float rounding."""
     vllm_dtype: str = "auto"
 
 
@@ -166,7 +174,7 @@ class SynthesisSettings:
 
 DEMO_GRPO = replace(
     GRPOConfig(), learning_rate=1e-4, iterations=4, groups=4, samples_per_group=4, max_steps=12, temperature=0.7,
-    micro_batch_size=4, steps_per_iteration=1,
+    micro_batch_size=4, steps_per_iteration=1, micro_batch_tokens=2048,
 )
 """The demo's GRPO recipe, for a 2-core CPU. ``GRPOConfig()`` is the paper's (lr 1e-5, 40 iterations,
 temperature 1.0, 50 steps; the ``paper`` profile); the demo differs on purpose, and says why:
@@ -178,6 +186,9 @@ temperature 1.0, 50 steps; the ``paper`` profile); the demo differs on purpose, 
   ~2 min here, and ~1.3 min more of baseline). 5 iterations measured the adapter's held-out synthetic
   reward 0.625 -> 0.677 (success 0.56 -> 0.63) but a 78-minute demo. 12 turns, not 8: the base agent's
   successful multi-step train episodes take 8-9 turns.
+* micro-batches of at most 2,048 tokens (an execution field, so no adapter's identity changes):
+  activations take 1.5-1.8 GB per 1k tokens, so the default 6,144 let one pass take ~10 GB and the
+  demo's GRPO steps peak at 20 GB. The loss is the same sum however it is split.
 * temperature 0.7: measured on the TRAIN side (calibration round 0 of the two demo capabilities,
   16 seeds x 2, 12 turns): at T = 1.0 mean reward 0.125 / 0.193 and success 0.031 / 0.094; at
   T = 0.7, 0.207 / 0.307 and 0.062 / 0.156. At T = 1.0 a 135M model's samples are mostly noise.

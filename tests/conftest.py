@@ -43,6 +43,12 @@ def _vllm_options(**changes: Any) -> Any:
     return replace(VLLMOptions(enforce_eager=True, kv_cache_gb=0.5, max_loras=2, max_lora_rank=16), **changes)
 
 
+def demo_engine_options(dtype: str = "float32") -> Any:
+    """The plain (weight-sync) engine options of the slow tests on the demo model: every test asking
+    for a dtype gets the same engine, which saves a ~30 s engine start per test."""
+    return _vllm_options(enable_lora=False, dtype=dtype)
+
+
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_model_path: Path) -> Any:
     """A LoRA-enabled fp32 engine (mixed LoRA requests; what a GPU evaluation and `trace serve` use)."""

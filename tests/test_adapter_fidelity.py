@@ -152,13 +152,15 @@ def test_demo_model_weight_sync_keeps_a_small_adapter_in_fp32_and_bf16(tokenizer
     """The demo model with a realistic adapter through the paths the demo uses (vLLM weight sync in
     the dtype ``auto`` picks): fp32 exact; bf16 within the tolerance (the review measured r 0.976)."""
     from trace_assets.agent.model import ensure_demo_model, load_model
-    from trace_assets.agent.vllm_backend import VLLMBackend, VLLMEngine, VLLMOptions
+    from trace_assets.agent.vllm_backend import VLLMBackend, VLLMEngine
+
+    from conftest import demo_engine_options
 
     path = str(ensure_demo_model())
     model, demo_tokenizer = load_model(path)
     probe = _probe(demo_tokenizer, n=2, tokens=300)
     peft = fidelity.small_norm_adapter(model, probe, steps=4, lr=1e-4)
     for dtype, tolerance in (("float32", TIGHT), ("bfloat16", fidelity.DEFAULT_TOLERANCE)):
-        engine = VLLMEngine.shared(path, VLLMOptions(enforce_eager=True, enable_lora=False, kv_cache_gb=0.5, dtype=dtype))
+        engine = VLLMEngine.shared(path, demo_engine_options(dtype))
         report = fidelity.check_backend(f"vllm weights {dtype}", peft, VLLMBackend(engine, peft_model=peft, sync="weights"), probe)
         assert report.passed(tolerance), report.line()

@@ -29,7 +29,7 @@ if os.environ.get("TRACE_NO_VLLM") == "1":  # explicit opt-out only: a missing i
 
 from trace_assets.agent.vllm_backend import VLLMBackend, VLLMEngine, VLLMOptions, choose_backend  # noqa: E402
 
-from conftest import _vllm_options  # noqa: E402
+from conftest import _vllm_options, demo_engine_options  # noqa: E402
 
 OPTIONS = _vllm_options()
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, seed=0)
@@ -263,7 +263,7 @@ def test_greedy_matches_transformers_on_the_demo_model() -> None:
     model, tokenizer = load_model(path)
     prompts = _retail_prompts(tokenizer, 4)
     params = SamplingParams(temperature=0.0, max_new_tokens=48, seed=0)
-    ours = VLLMBackend(VLLMEngine.shared(path, OPTIONS)).generate(prompts, params)
+    ours = VLLMBackend(VLLMEngine.shared(path, demo_engine_options())).generate(prompts, params)
     _assert_same(ours, TransformersBackend(model, tokenizer).generate(prompts, params))
 
 

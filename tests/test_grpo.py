@@ -370,34 +370,39 @@ def test_micro_batches_count_a_shared_prefix_once():
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_prefix_micro_batches_leave_the_gradient_unchanged(tiny_model_path, tokenizer, tmp_path, bf16):
-    """Grouping a task's samples (their decision-point prompt runs once) is a speedup, not a new
-    estimator: on real samples of a decision-point environment, the first step's gradient equals
-    the length-sorted layout's (fp32: relative error < 1e-5; bf16 autocast: cosine > 0.999)."""
+    """Grouping a task's samples (their decision-point prompt runs once) and gradient checkpointing
+    (over that shared prompt too) are savings, not new estimators: on real samples of a
+    decision-point environment, the first step's gradient equals the length-sorted layout's
+    (fp32: relative error < 1e-5; bf16 autocast: cosine > 0.999)."""
     from trace_assets.agent.lora import bf16_supported
 
     if bf16 and not bf16_supported():
         pytest.skip("no native bf16 here")
     config = replace(TINY, iterations=1, groups=2, samples_per_group=4, micro_batch_size=4, bf16=bf16, max_new_tokens=16)
-    grads = {}
-    for grouped in (True, False):
+    layouts = {"sorted": {"prefix_micro_batches": False}, "grouped": {"prefix_micro_batches": True},
+               "grouped+checkpointed": {"prefix_micro_batches": True, "gradient_checkpointing": True}}
+    grads, samples = {}, None
+    for name, layout in layouts.items():
         torch.manual_seed(0)
         model, _ = load_model(str(tiny_model_path))
-        trainer = GRPOTrainer(model, tokenizer, _env(hint_share=0.0), replace(config, prefix_micro_batches=grouped),
-                              tmp_path / str(grouped), reward_fn=_alternating_reward())
-        if grouped:
+        trainer = GRPOTrainer(model, tokenizer, _env(hint_share=0.0), replace(config, **layout),
+                              tmp_path / name, reward_fn=_alternating_reward())
+        if samples is None:
             _, samples = trainer.collect(1)
         captured = []
         trainer.optimizer.step = lambda: captured.append(torch.cat([p.grad.flatten() for p in trainer.params]))
         trainer.optimize(samples, 1)
-        grads[grouped] = captured[0]
+        grads[name] = captured[0].double()
     prompts = {s.task_id: len(s.token_ids) - sum(s.loss_mask) for s in samples}
     assert len(prompts) == 2 and min(prompts.values()) > 200  # long shared prompts: the case that matters
-    a, b = grads[True].double(), grads[False].double()
-    assert a.norm() > 0
-    if bf16:
-        assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.999
-    else:
-        assert (a - b).norm() / b.norm() < 1e-5
+    b = grads["sorted"]
+    assert b.norm() > 0
+    for name in ("grouped", "grouped+checkpointed"):
+        a = grads[name]
+        if bf16:
+            assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.999, name
+        else:
+            assert (a - b).norm() / b.norm() < 1e-5, name
 
 
 def test_execution_settings_never_retrain_recipe_settings_do():
@@ -416,7 +421,7 @@ def test_execution_settings_never_retrain_recipe_settings_do():
         return {k: graph.get(AssetKey(k)).code_version for k in ("lora_adapter", "grpo_baseline")}
 
     base = versions()
-    assert versions(micro_batch_tokens=1024, micro_batch_size=1, checkpoint_every=3) == base
+    assert versions(micro_batch_tokens=1024, micro_batch_size=1, checkpoint_every=3, gradient_checkpointing=True) == base
     changed = versions(learning_rate=5e-4)
     assert all(changed[k] != base[k] for k in base)
     assert set(GRPOConfig.EXECUTION_FIELDS) <= {f.name for f in dataclasses.fields(GRPOConfig)}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trace_assets.agent.lora import add_lora, lora_config
+from trace_assets.agent.lora import add_lora, enable_gradient_checkpointing, lora_config
 from trace_assets.agent.model import load_model
 from trace_assets.agent.warmstart import accumulate_batch_gradients, demonstrations, tokenize_demo
 from trace_assets.envs import get_environment
@@ -57,12 +57,11 @@ def test_loss_and_gradients_match_the_full_logits_reference(setup, micro, checkp
     assert len({tuple(ids[:64]) for ids, _ in batch}) == 1  # a shared prefix: micro 3 takes the KV path
     model.train()
     ref_loss, ref_grads = _reference(model, batch, pad)
-    if checkpointed:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointed:  # micro 2: the shared-prefix KV path under checkpointing's replays
+        enable_gradient_checkpointing(model)
     try:
         model.zero_grad(set_to_none=True)
-        loss = accumulate_batch_gradients(model, batch, pad=pad, micro_batch_size=micro, use_bf16=False,
-                                          checkpointed=checkpointed)
+        loss = accumulate_batch_gradients(model, batch, pad=pad, micro_batch_size=micro, use_bf16=False)
         grads = _grads(model)
     finally:
         model.gradient_checkpointing_disable()

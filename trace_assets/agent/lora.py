@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from trace_assets.agent.lora_targets import DEFAULT_TARGET_MODULES
 
@@ -93,6 +95,43 @@ def _body_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Mo
     return causal_lm.get_decoder(), causal_lm.get_output_embeddings()
 
 
+class _RecordingLayer(DynamicLayer):
+    """The prefix pass's KV: the first update stores it; any later one is gradient checkpointing's
+    replay of that pass, which must see what the first saw (no cached keys) and store nothing."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.is_initialized and self.keys.numel():
+            empty = key_states.new_empty(0)
+            return torch.cat([empty, key_states], dim=-2), torch.cat([empty, value_states], dim=-2)
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+class _PrefixView(DynamicLayer):
+    """The stored prefix KV broadcast to ``batch`` rows, read only: every update (and its replay)
+    returns prefix + new keys and stores nothing."""
+
+    def __init__(self, recorded: DynamicLayer, batch: int) -> None:
+        super().__init__()
+        self.lazy_initialization(recorded.keys, recorded.values)
+        self.keys = recorded.keys.expand(batch, -1, -1, -1)  # broadcast, not copy
+        self.values = recorded.values.expand(batch, -1, -1, -1)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward (non-reentrant, so gradients reach
+    the LoRA weights although the frozen embeddings' output needs none). The layers keep the KV
+    cache they are given: the only caches passed in training are :func:`token_logprobs`' replay-safe
+    ones (transformers otherwise drops a cache under checkpointing, which would break the
+    shared-prefix path)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            module._can_checkpoint_with_cache = True
+
+
 def shared_prefix_len(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
     """Length of the token prefix that every row shares (and attends to)."""
     same = (input_ids == input_ids[:1]).all(dim=0) & attention_mask.bool().all(dim=0)
@@ -117,20 +156,20 @@ def token_logprobs(
     When every row starts with the same ``>= min_shared_prefix`` tokens (the system prompt and
     tool schemas of one environment), the prefix runs once and its keys/values are broadcast to the
     batch. Gradients still flow through it, so values and gradients equal the plain path up to
-    float rounding; only the compute shrinks (the prefix is often most of the tokens).
+    float rounding; only the compute shrinks (the prefix is often most of the tokens). Its caches
+    are replay-safe, so this holds under :func:`enable_gradient_checkpointing` too.
     """
     body, head = _body_and_head(model)
     prefix = shared_prefix_len(input_ids, attention_mask) if input_ids.shape[0] > 1 else 0
     prefix = min(prefix, input_ids.shape[1] - 1)
     if prefix >= min_shared_prefix:
         batch = input_ids.shape[0]
-        first = body(input_ids=input_ids[:1, :prefix], attention_mask=attention_mask[:1, :prefix], use_cache=True)
-        cache = first.past_key_values
-        for layer in cache.layers:  # broadcast, not copy: one prefix computation serves every row
-            layer.keys = layer.keys.expand(batch, -1, -1, -1)
-            layer.values = layer.values.expand(batch, -1, -1, -1)
+        recorded = Cache(layer_class_to_replicate=_RecordingLayer)
+        first = body(input_ids=input_ids[:1, :prefix], attention_mask=attention_mask[:1, :prefix],
+                     past_key_values=recorded, use_cache=True)
+        view = Cache(layers=[_PrefixView(layer, batch) for layer in recorded.layers])
         positions = torch.arange(prefix, input_ids.shape[1], device=input_ids.device).expand(batch, -1)
-        rest = body(input_ids=input_ids[:, prefix:], attention_mask=attention_mask, past_key_values=cache,
+        rest = body(input_ids=input_ids[:, prefix:], attention_mask=attention_mask, past_key_values=view,
                     position_ids=positions, use_cache=True).last_hidden_state
         hidden = torch.cat([first.last_hidden_state.expand(batch, -1, -1), rest], dim=1)
     else:

@@ -28,7 +28,15 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from trace_assets.agent.lora import add_lora, autocast, bf16_supported, lora_config, merge_and_save, token_logprobs
+from trace_assets.agent.lora import (
+    add_lora,
+    autocast,
+    bf16_supported,
+    enable_gradient_checkpointing,
+    lora_config,
+    merge_and_save,
+    token_logprobs,
+)
 from trace_assets.envs.base import Environment, Message, Task, target_hook
 
 log = logging.getLogger(__name__)
@@ -104,7 +112,7 @@ def tokenize_demo(tokenizer: PreTrainedTokenizerBase, messages: list[Message], t
 
 def accumulate_batch_gradients(
     peft_model: torch.nn.Module, batch: Sequence[tuple[list[int], list[int]]], *, pad: int, micro_batch_size: int,
-    use_bf16: bool, checkpointed: bool = False,
+    use_bf16: bool,
 ) -> float:
     """Backpropagate one optimizer batch's loss; return that loss (the caller steps the optimizer).
 
@@ -112,9 +120,8 @@ def accumulate_batch_gradients(
     computed on the selected positions only (``token_logprobs`` applies the LM head there, never
     to the full vocabulary at every position). Micro-batches bound the activation memory: each
     one's summed loss is divided by the whole batch's target count, so the accumulated gradient
-    is the one a single pass would give, up to float rounding. ``checkpointed`` (the model has
-    gradient checkpointing on) turns off the shared-prefix KV broadcast, because a recomputed
-    layer cannot append to a KV cache a second time.
+    is the one a single pass would give, up to float rounding, with or without gradient
+    checkpointing (:func:`~trace_assets.agent.lora.enable_gradient_checkpointing`).
     """
     n_targets = sum(sum(m) for _, m in batch)
     total_loss = 0.0
@@ -124,9 +131,8 @@ def accumulate_batch_gradients(
         ids = torch.tensor([x + [pad] * (width - len(x)) for x, _ in micro])
         att = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in micro])
         tgt = torch.tensor([mk + [0] * (width - len(mk)) for _, mk in micro])
-        no_prefix = {"min_shared_prefix": width + 1} if checkpointed else {}
         with autocast(use_bf16):
-            loss = -token_logprobs(peft_model, ids, att, tgt, **no_prefix).sum() / n_targets
+            loss = -token_logprobs(peft_model, ids, att, tgt).sum() / n_targets
         loss.backward()
         total_loss += float(loss.detach())
     return total_loss
@@ -160,9 +166,7 @@ def train_warmstart(
     examples = [tokenize_demo(tokenizer, demo, tools, max_length) for demo in demos]
     peft_model = add_lora(model, lora_config(r=lora_r, alpha=lora_alpha))
     if gradient_checkpointing:
-        # Non-reentrant checkpointing: gradients reach the LoRA weights although the frozen
-        # embeddings' output does not require grad (the reentrant variant would drop them).
-        peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_gradient_checkpointing(peft_model)
     peft_model.train()
     optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=lr)
     use_bf16 = bf16_supported()
@@ -185,7 +189,7 @@ def train_warmstart(
             batch = [examples[i] for i in order[b : b + batch_size]]
             optimizer.zero_grad(set_to_none=True)
             total_loss = accumulate_batch_gradients(peft_model, batch, pad=pad, micro_batch_size=micro_batch_size,
-                                                    use_bf16=use_bf16, checkpointed=gradient_checkpointing)
+                                                    use_bf16=use_bf16)
             torch.nn.utils.clip_grad_norm_(peft_model.parameters(), 1.0)
             optimizer.step()
             step += 1

@@ -93,6 +93,7 @@ from trace_assets.agent.lora import (
     add_lora,
     autocast,
     bf16_supported,
+    enable_gradient_checkpointing,
     lora_config,
     token_logprobs,
 )
@@ -449,6 +450,8 @@ class GRPOTrainer:
         else:
             self.model = add_lora(model, lora_config(config.lora_r, config.lora_alpha, config.lora_dropout,
                                                      config.target_modules), seed=config.seed)
+        if config.gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)
         self.params = [p for _, p in self.model.named_parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.learning_rate, betas=config.adam_betas,
                                            weight_decay=config.weight_decay)

@@ -1,7 +1,8 @@
 """Peak RSS and time of one GRPO optimizer step under its memory options, each in a fresh process.
 
 The parent plays one iteration of G x K episodes once (the demo's GRPO recipe on a template
-synthetic environment, which starts at a decision point, so a task's samples share a long prompt)
+synthetic environment, which starts at a decision point, so a task's samples share a long prompt;
+or, with ``--capability target``, on the retail target as the GRPO-on-target baseline plays it)
 and pickles the optimizer's samples. Each variant's child loads the same model with the same LoRA
 init, runs ``GRPOTrainer.optimize`` on those samples (one step) and prints its own ``ru_maxrss``,
 the step's time and the gradient's norm; a ``load`` child that stops before the step gives the
@@ -42,10 +43,16 @@ def _config(args: argparse.Namespace):
 
 
 def _env(capability: str):
+    """The template synthetic environment of ``capability``, or with ``"target"`` the retail target
+    itself, played from the first turn as GRPO-on-target plays it (its samples are the longest)."""
     from trace_assets.envs import get_environment
     from trace_assets.synthesize import SyntheticEnv, template_spec
 
     target = get_environment("retail")
+    if capability == "target":
+        from trace_assets.envs.splits import TaskPoolEnv
+
+        return TaskPoolEnv(target, [target.make_task(f, 10_000 + i) for i, f in enumerate(target.families())])
     return SyntheticEnv(template_spec({"name": capability, "description": capability}, target), target)
 
 
@@ -84,7 +91,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="demo")
     ap.add_argument("--agent", default=None, help="a warm-started agent folder (default: the model itself)")
-    ap.add_argument("--capability", default="confirm_before_writing")
+    ap.add_argument("--capability", default="confirm_before_writing", help='a capability, or "target"')
     ap.add_argument("--groups", type=int, default=4)
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--variants", default=",".join(VARIANTS))

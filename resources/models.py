@@ -18,6 +18,8 @@ from typing import Any
 from dagster import ConfigurableResource
 from pydantic import Field
 
+from trace_assets.agent.vllm_backend import VLLMOptions
+
 log = logging.getLogger(__name__)
 
 _FAILED_ENGINES: dict[tuple[str, bool], str] = {}
@@ -31,7 +33,7 @@ class ModelResource(ConfigurableResource):
     generation_backend: str = Field(default="auto", description="'auto', 'vllm' or 'transformers'.")
     vllm_enforce_eager: bool = Field(
         default=False, description="Skip vLLM's torch.compile: faster start (~8 s vs ~70 s), slower decoding.")
-    vllm_kv_cache_gb: float = Field(default=2.0, description="vLLM KV cache size in GiB.")
+    vllm_kv_cache_gb: float = Field(default=VLLMOptions.kv_cache_gb, description="vLLM KV cache size in GiB.")
     vllm_max_model_len: int = Field(
         default=4096, description="vLLM's context length in tokens (prompt + generated); the settings' longest context.")
     vllm_dtype: str = Field(

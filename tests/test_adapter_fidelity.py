@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from trace_assets.agent import fidelity
 from trace_assets.agent.backends import TransformersBackend
@@ -88,6 +89,27 @@ def test_a_wrong_adapter_fails(realistic, tokenizer, tiny_model_path) -> None:
     assert not report.passed(), report.line()
 
 
+def test_a_control_is_judged_on_the_scale_of_its_twin() -> None:
+    """A null's shift (rms ~0.005) below a path's rounding (rms 0.02) fails relative bounds, and
+    passes on its twin's scale (0.1 allows 0.04); a path that invents an effect fails on either."""
+    gen = torch.Generator().manual_seed(0)
+    base = -torch.rand(400, generator=gen) * 3
+    shift = torch.randn(400, generator=gen) * 0.005
+    rounding = torch.randn(400, generator=gen) * 0.02
+    invented = torch.randn(400, generator=gen) * 0.2
+    null = fidelity.compare("bf16", base + shift, base, base + shift + rounding, base)
+    assert null.rms_error == pytest.approx(float(rounding.pow(2).mean().sqrt()), rel=1e-6)
+    assert not null.passed() and null.passed(scale=0.1) and not null.passed(scale=0.03)
+    assert fidelity.require(null, "null:c", scale=0.1) is null
+    wild = fidelity.compare("bf16", base + shift, base, base + shift + invented, base)
+    assert not wild.passed(scale=0.1)
+    with pytest.raises(fidelity.FidelityError, match="null:c.*adapter it controls for"):
+        fidelity.require(wild, "null:c", scale=0.1)
+    # a scale below the system's own shift changes nothing: the relative bounds apply
+    twin = fidelity.compare("bf16", base + 20 * shift, base, base + 20 * shift + rounding, base)
+    assert twin.passed() and twin.passed(scale=0.01)
+
+
 def _fresh(path: Path) -> Any:
     from trace_assets.agent.model import load_model
 
@@ -148,9 +170,10 @@ def test_a_bf16_engine_fails_where_its_rounding_exceeds_the_adapter(realistic, t
 
 @pytest.mark.slow
 @vllm_only
-def test_demo_model_weight_sync_keeps_a_small_adapter_in_fp32_and_bf16(tokenizer) -> None:
+def test_demo_model_weight_sync_keeps_a_small_adapter_in_fp32_and_bf16(tokenizer, tmp_path) -> None:
     """The demo model with a realistic adapter through the paths the demo uses (vLLM weight sync in
     the dtype ``auto`` picks): fp32 exact; bf16 within the tolerance (the review measured r 0.976)."""
+    from trace_assets.agent.lora import null_adapter
     from trace_assets.agent.model import ensure_demo_model, load_model
     from trace_assets.agent.vllm_backend import VLLMBackend, VLLMEngine
 
@@ -160,7 +183,18 @@ def test_demo_model_weight_sync_keeps_a_small_adapter_in_fp32_and_bf16(tokenizer
     model, demo_tokenizer = load_model(path)
     probe = _probe(demo_tokenizer, n=2, tokens=300)
     peft = fidelity.small_norm_adapter(model, probe, steps=4, lr=1e-4)
+    peft.save_pretrained(str(tmp_path / "adapter"))
+    peft.load_adapter(str(null_adapter(tmp_path / "adapter", tmp_path / "null")), adapter_name="null")
     for dtype, tolerance in (("float32", TIGHT), ("bfloat16", fidelity.DEFAULT_TOLERANCE)):
         engine = VLLMEngine.shared(path, demo_engine_options(dtype))
+        peft.set_adapter("default")
         report = fidelity.check_backend(f"vllm weights {dtype}", peft, VLLMBackend(engine, peft_model=peft, sync="weights"), probe)
         assert report.passed(tolerance), report.line()
+        # Its null control (random directions, the same delta norm) moves the log-probs less; judged
+        # on the twin's scale, the path must get that right to within the error the twin is allowed.
+        peft.set_adapter("null")
+        null = fidelity.check_backend(f"vllm weights {dtype} (null)", peft, VLLMBackend(engine, peft_model=peft, sync="weights"), probe)
+        assert 0 < null.rms_shift_ref < report.rms_shift_ref, (null.line(), report.line())
+        assert null.passed(tolerance, scale=report.rms_shift_ref), null.line()
+        if dtype == "float32":  # the exact path resolves even the null's small shift
+            assert null.passed(fidelity.DEFAULT_TOLERANCE), null.line()

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from trace_assets.agent.vllm_backend import VLLMOptions
 from trace_assets.hashing import stable_hash
 from trace_assets.identify.stats import SelectionRule
 from trace_assets.train.config import GRPOConfig
@@ -98,7 +99,7 @@ class GenerationSettings:
 
     backend: str = "auto"
     vllm_enforce_eager: bool = False
-    vllm_kv_cache_gb: float = 2.0
+    vllm_kv_cache_gb: float = VLLMOptions.kv_cache_gb
     """Allocated when an engine starts and held by the process while it lives. The demo model's KV
     takes 22.5 KiB per token (30 layers x 3 KV heads x 64 x K and V in bf16), so 2 GiB hold ~93k
     tokens (46k in fp32): 32 concurrent 2.9k-token episodes. Beyond that vLLM queues requests; each prompt keeps

@@ -132,7 +132,7 @@ def build_route_assets(settings: Settings) -> list:
         return Output(value, data_version=version, metadata=metadata)
 
     @asset(group_name=GROUP, kinds={"mlflow", "python"},
-           code_version=stable_hash([route_cfg.__dict__, roll_cfg.__dict__, generation, "report-v3-nulls-fidelity-identity"]),
+           code_version=stable_hash([route_cfg.__dict__, roll_cfg.__dict__, generation, "report-v4-nulls-on-twin-scale"]),
            ins={"lora_adapter": AssetIn(partition_mapping=ALL, metadata=EVERY_TRAINED)})
     def router_eval(
         context: AssetExecutionContext, models: ModelResource, store: TraceStore, mlflow: MlflowRegistry,

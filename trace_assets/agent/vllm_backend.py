@@ -152,6 +152,36 @@ class VLLMEngine:
                 _ENGINES[key] = cls(model_path, options)
             return _ENGINES[key]
 
+    def close(self) -> None:
+        """Shut the engine down and drop it from :meth:`shared`'s table, so that its KV cache and
+        weights go back to the OS (demo model, bf16, a 2 GiB cache: the process fell from 3.5 to
+        0.95 GB). The engine is unusable afterwards; a later :meth:`shared` starts a new one."""
+        import gc
+
+        with _LOCK:
+            for key in [k for k, e in _ENGINES.items() if e is self]:
+                del _ENGINES[key]
+        if getattr(self, "llm", None) is not None:
+            core = getattr(self.llm.llm_engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            self.llm = None
+        self._base_weights, self._current, self._adapters = None, {}, {}
+        shutil.rmtree(self._scratch, ignore_errors=True)
+        gc.collect()
+
+    @classmethod
+    def close_other_dtypes(cls, model_path: str, dtype: str) -> list[str]:
+        """Close every shared engine of ``model_path`` whose dtype is not ``dtype``, so that a switch
+        of dtype (an evaluation falling back to float32) holds one engine's memory, not two.
+        Returns the dtypes closed."""
+        path = str(Path(model_path).resolve()) if Path(model_path).exists() else str(model_path)
+        with _LOCK:
+            others = [e for (p, _), e in _ENGINES.items() if p == path and e.options.dtype != dtype]
+        for engine in others:
+            engine.close()
+        return [e.options.dtype for e in others]
+
     # ------------------------------------------------------------------ adapters
 
     def register_adapter(self, name: str, path: str | Path) -> Any:

@@ -114,7 +114,7 @@ def faithful_models(models, path: str, bank, folders: dict[str, str], tokenizer:
     if probe is None:
         log("no train-side conversations of the base agent to probe fidelity with: not measured")
         return models, []
-    names = sorted(bank.names, key=lambda n: bool(n and n.startswith(NULL_PREFIX)))  # twins before their nulls
+    names = sorted(bank.names, key=lambda n: n.startswith(NULL_PREFIX))  # twins before their nulls
     candidates = models.fidelity_candidates(path)
     for i, candidate in enumerate(candidates):
         rows, reports, failed = [], {}, None

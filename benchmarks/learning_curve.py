@@ -20,6 +20,16 @@ pipeline's evaluation (``train.heldout.evaluate_policy``):
 * ``--select``: on train-side validation seeds (``TRAIN_VALIDATION_OFFSET``), to choose the
   learning rate, iterations and group sizes.
 
+``--target-test`` adds the measurement that says whether the adapter helps where the agent fails:
+after training, each seed's adapter and its null control (``agent.lora.null_adapter``, seeded by the
+training seed), and once the base, play the target's ``test`` split (the pipeline's ``task_splits``
+draw of the profile: ``--profile experiment`` holds 10 tasks per family) greedily, with the
+``[rollout]`` limits ``base_trajectories`` plays, on the families where the Step-1 labels in the data
+folder's store call the capability LACKING on train-side trajectories (``--families`` names them
+instead). Reported: each seed's successes, and the mean over seeds with a paired bootstrap interval
+over tasks x seeds (``experiment.stats``) for adapter, null, adapter - base and adapter - null. The
+test split only measures here: nothing above is chosen by it.
+
 Recorded per evaluation point: training wall time so far (the trainer's iterations, checkpoints
 included; evaluations excluded and timed apart), training rollouts and tokens so far (tokens the
 policy generated, and whole sequences, prompts included), greedy success and mean reward. Output:
@@ -29,6 +39,7 @@ wall time and against training rollouts).
     .venv/bin/python benchmarks/learning_curve.py --capability confirm_before_writing \\
         --agent data/models/base_agent/<key> --iterations 8 --eval-every 2 --seeds 0,1,2
     .venv/bin/python benchmarks/learning_curve.py --select --lr 3e-4 --iterations 8   # choose settings
+    .venv/bin/python benchmarks/learning_curve.py --profile experiment --target-test --vllm-dtype float32
 """
 
 from __future__ import annotations
@@ -125,10 +136,59 @@ def synthetic_environment(args: argparse.Namespace, settings: Any, target: Any, 
     return SyntheticEnv(spec, target), info
 
 
+def lacking_families(capability: str, train_tasks: Sequence[Any]) -> list[str]:
+    """The families of ``train_tasks`` whose stored trajectories (the data folder's DuckDB, any
+    agent, any dictionary version) the Step-1 labels call ``capability`` LACKING at least once."""
+    from resources.store import TraceStore
+
+    family = {t.task_id: t.family for t in train_tasks}
+    rows = TraceStore().query(
+        "SELECT DISTINCT t.task_id FROM labels l JOIN trajectories t USING (trajectory_id) "
+        "WHERE l.capability = ? AND l.label = 'LACKING' AND t.split = 'train'", [capability])
+    return sorted({family[i] for i in rows["task_id"].to_list() if i in family})
+
+
+def target_test(model: Any, tokenizer: Any, pool: Any, eval_config: Any, *, out: Path, seed: int, base: bool,
+                backend_factory: Any, log: Any) -> dict[str, Any]:
+    """The trained adapter of ``model`` (active), its null control and, when ``base``, the base
+    (adapter disabled), each greedy on every task of ``pool`` (module docstring)."""
+    from trace_assets.agent.lora import null_adapter
+    from trace_assets.train.heldout import NULL_ADAPTER, evaluate_policy
+
+    results: dict[str, Any] = {}
+
+    def run(policy: str) -> None:
+        start = time.perf_counter()
+        report = evaluate_policy(model, tokenizer, pool, eval_config, policy=policy, backend_factory=backend_factory)
+        results[policy] = {"successes": [bool(x) for x in report.successes], "rewards": report.rewards,
+                           "success": report.success_rate, "mean_reward": round(report.mean_reward, 4),
+                           "eval_s": round(time.perf_counter() - start, 1)}
+        log(f"seed {seed} target test, {policy}: {sum(report.successes)}/{report.n} "
+            f"({results[policy]['eval_s']:.0f} s)")
+
+    if base:
+        with model.disable_adapter():
+            run("base")
+    run("adapter")
+    trained = model.active_adapter
+    model.save_pretrained(str(out / "final"))  # the trained adapter only: the null is loaded after
+    model.load_adapter(str(null_adapter(out / "final", out / "null", seed=seed)), adapter_name=NULL_ADAPTER,
+                       is_trainable=False)
+    try:
+        model.set_adapter(NULL_ADAPTER)
+        run("null")
+    finally:
+        model.set_adapter(trained)
+        model.delete_adapter(NULL_ADAPTER)
+    return results
+
+
 def learning_curve(agent: str, tokenizer: Any, env: Any, config: Any, eval_config: Any, *, seed: int,
-                   eval_every: int, backend_factory: Any, device: str, log: Any) -> dict[str, Any]:
+                   eval_every: int, backend_factory: Any, device: str, log: Any,
+                   target: tuple[Any, Any] | None = None, target_base: bool = False) -> dict[str, Any]:
     """One training seed: GRPO from a fresh adapter on ``agent``, evaluated before training and
-    every ``eval_every`` iterations (and after the last); see the module docstring."""
+    every ``eval_every`` iterations (and after the last); then, given ``target = (pool, config)``,
+    :func:`target_test` (the base too when ``target_base``). See the module docstring."""
     import torch
 
     from trace_assets.agent.model import load_model
@@ -164,8 +224,10 @@ def learning_curve(agent: str, tokenizer: Any, env: Any, config: Any, eval_confi
             if trainer.iteration % eval_every == 0 or trainer.iteration == config.iterations:
                 evaluate()
         generation = getattr(trainer.backend, "name", type(trainer.backend).__name__)
+        tested = (target_test(trainer.model, tokenizer, *target, out=Path(out), seed=seed, base=target_base,
+                              backend_factory=backend_factory, log=log) if target else None)
     return {"seed": seed, "points": points, "history": [m.to_dict() for m in trainer.history],
-            "generation_backend": generation}
+            "generation_backend": generation, **({"target_test": tested} if tested else {})}
 
 
 def summarize(seeds: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -180,6 +242,43 @@ def summarize(seeds: Sequence[dict[str, Any]]) -> dict[str, Any]:
     gains = {s["seed"]: round(s["points"][-1]["success"] - s["points"][0]["success"], 4) for s in seeds}
     return {"mean_curve": curve, "success_gain_per_seed": gains, "mean_success_gain": round(mean(gains.values()), 4),
             "mean_reward_gain": round(curve[-1]["mean_reward"] - curve[0]["mean_reward"], 4)}
+
+
+def target_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per seed and over seeds (paired bootstrap over tasks x seeds; the base, which does not train,
+    repeats its row) of the ``target_test`` results of :func:`learning_curve` runs."""
+    from trace_assets.experiment.stats import paired_bootstrap
+
+    base = runs[0]["target_test"]["base"]["successes"]
+    outcomes = {"base": [base] * len(runs), "adapter": [r["target_test"]["adapter"]["successes"] for r in runs],
+                "null": [r["target_test"]["null"]["successes"] for r in runs]}
+    contrasts = [("adapter", "base"), ("adapter", "null"), ("null", "base")]
+    systems, differences = paired_bootstrap(outcomes, contrasts=contrasts)
+    return {
+        "n_tasks": len(base), "base_successes": sum(base),
+        "per_seed": {r["seed"]: {k: sum(r["target_test"][k]["successes"]) for k in ("adapter", "null")} for r in runs},
+        "systems": {k: v.to_dict() for k, v in systems.items()},
+        "differences": {f"{a} - {b}": v.to_dict() for (a, b), v in differences.items()},
+        "outcomes": outcomes,
+    }
+
+
+def target_table(result: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    from trace_assets.experiment.stats import Interval
+
+    t = result["target_test"]
+    out = Table(title=f"target test split, greedy: {t['n_tasks']} tasks of {', '.join(t['families'])} "
+                      f"(mean over seeds, 95 % paired bootstrap over tasks x seeds)")
+    for column in ("system", *[f"seed {s}" for s in t["per_seed"]], "success % [95 % CI]"):
+        out.add_column(column, justify="right" if column != "system" else "left")
+    for name in ("base", "adapter", "null"):
+        counts = [str(t["base_successes"]) if name == "base" else str(v[name]) for v in t["per_seed"].values()]
+        out.add_row(name, *[f"{c}/{t['n_tasks']}" for c in counts], Interval(**t["systems"][name]).text())
+    for name, interval in t["differences"].items():
+        out.add_row(name, *[""] * len(t["per_seed"]), Interval(**interval).text(), style="bold")
+    return out
 
 
 def figure(result: dict[str, Any]) -> bytes:
@@ -254,6 +353,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--backend", default=None, help="auto | vllm | transformers (default: [generation] backend)")
     ap.add_argument("--vllm-dtype", default=None, help="auto | float32 | bfloat16 (default: [generation] vllm_dtype)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--target-test", action="store_true",
+                    help="after training, play the target's test split with each adapter, its null and the base")
+    ap.add_argument("--families", default=None,
+                    help="--target-test on these families, comma-separated, or 'all' (default: where the store's "
+                         "Step-1 labels call the capability LACKING on the train side)")
     ap.add_argument("--out", default=None, help="output path without extension (default <data>/reports/learning_curve/...)")
     return ap.parse_args(argv)
 
@@ -305,8 +409,34 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     log(f"agent {agent}; E_{env.capability} ({env_info['source']}, spec {env_info['spec_hash']}); {mode} evaluation on "
         f"{eval_config.n_tasks} seeds from offset {eval_config.seed_offset}; lr {config.learning_rate:g}, "
         f"{config.iterations} iterations of G {config.groups} x K {config.samples_per_group}")
+    target_eval, target_info = None, None
+    if args.target_test:
+        from benchmarks.target_success import task_list
+        from trace_assets.envs.splits import TaskPoolEnv
+
+        if args.families in (None, ""):
+            families = lacking_families(env.capability, task_list(target, settings, "train"))
+            if not families:
+                raise SystemExit(f"the store {paths.duckdb_path()} has no train-side trajectory labelled "
+                                 f"{env.capability} LACKING: run Step 1 there, or pass --families")
+        elif args.families == "all":
+            families = list(target.families())
+        else:
+            families = [f.strip() for f in args.families.split(",") if f.strip()]
+            unknown = sorted(set(families) - set(target.families()))
+            if unknown:
+                raise SystemExit(f"--families: {unknown} are not families of {target.name}: {sorted(target.families())}")
+        tasks = [t for t in task_list(target, settings, "test") if t.family in families]
+        pool = TaskPoolEnv(target, tasks)
+        test_config = EvalConfig.from_limits(settings.rollout, n_tasks=len(tasks), seed_offset=0)
+        target_eval = (pool, test_config)
+        target_info = {"families": families, "family_source": args.families or "LACKING in the store's Step-1 labels",
+                       "task_ids": [t.task_id for t in pool.sample_tasks(len(tasks))], "max_steps": test_config.max_steps,
+                       "max_new_tokens": test_config.max_new_tokens, "greedy": True}
+        log(f"target test: {len(tasks)} tasks of {families} ({target_info['family_source']})")
     runs = [learning_curve(agent, tokenizer, env, config, eval_config, seed=seed, eval_every=max(args.eval_every, 1),
-                           backend_factory=factory, device=args.device, log=log) for seed in seeds]
+                           backend_factory=factory, device=args.device, log=log, target=target_eval,
+                           target_base=i == 0) for i, seed in enumerate(seeds)]
     result = {
         "benchmark": "learning_curve", "capability": env.capability, "mode": mode, "agent": agent,
         "environment": {k: v for k, v in env_info.items() if k != "spec"}, "environment_build_s": round(build_s, 1),
@@ -321,6 +451,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     result["summary"] = summarize(runs)
     console.print(table(result))
+    if target_info:
+        result["target_test"] = {**target_info, **target_summary(runs)}
+        console.print(target_table(result))
     gains = ", ".join(f"seed {k} {v:+.3f}" for k, v in result["summary"]["success_gain_per_seed"].items())
     last = result["summary"]["mean_curve"][-1]
     log(f"success gain per seed: {gains}; mean {result['summary']['mean_success_gain']:+.3f} (reward "

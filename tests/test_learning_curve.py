@@ -1,5 +1,7 @@
 """benchmarks/learning_curve.py runs end to end on the tiny model: one GRPO iteration, evaluated
-before and after, JSON and PNG written; --select evaluates on train-side validation seeds."""
+before and after, JSON and PNG written; --select evaluates on train-side validation seeds;
+--target-test plays the target's test split with the adapter, its null and the base, on the
+families the store's labels call LACKING."""
 
 from __future__ import annotations
 
@@ -41,3 +43,48 @@ def test_one_iteration_on_tiny_writes_json_and_png(tmp_path, monkeypatch, tiny_m
     assert ("calibration" in data["environment"]) == ("--no-calibrate" not in extra)
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "curve.envspec.json").read_text())["capability"]["name"] == "confirm_before_writing"
+
+
+def test_target_test_plays_the_test_split_with_adapter_null_and_base(tmp_path, monkeypatch, tiny_model_path):
+    monkeypatch.setenv("TRACE_DATA_DIR", str(tmp_path / "data"))
+    module = _module()
+    result = module.main([
+        "--agent", str(tiny_model_path), "--profile", "tiny", "--capability", "confirm_before_writing", "--no-calibrate",
+        "--iterations", "1", "--groups", "1", "--samples", "2", "--max-steps", "1", "--max-new-tokens", "4",
+        "--eval-tasks", "1", "--eval-every", "1", "--seeds", "0,1", "--backend", "transformers",
+        "--target-test", "--families", "cancel_pending,order_status", "--out", str(tmp_path / "curve")])
+    t = json.loads((tmp_path / "curve.json").read_text())["target_test"]
+    assert t["families"] == ["cancel_pending", "order_status"] == result["target_test"]["families"]
+    assert t["n_tasks"] == len(t["task_ids"]) > 0 and all(i.split("/")[1] in t["families"] for i in t["task_ids"])
+    assert set(t["per_seed"]) == {"0", "1"} and set(t["differences"]) == {"adapter - base", "adapter - null", "null - base"}
+    assert [len(row) for row in t["outcomes"]["adapter"]] == [t["n_tasks"]] * 2
+    for name, interval in t["systems"].items():
+        assert interval["low"] <= interval["estimate"] <= interval["high"], name
+    with pytest.raises(SystemExit, match="not families"):
+        module.main(["--agent", str(tiny_model_path), "--profile", "tiny", "--no-calibrate", "--seeds", "0",
+                     "--target-test", "--families", "nope", "--backend", "transformers"])
+
+
+def test_lacking_families_come_from_the_train_side_labels(tmp_path, monkeypatch):
+    from resources.store import TraceStore
+    from trace_assets.envs import get_environment
+    from trace_assets.settings import load_settings
+
+    monkeypatch.setenv("TRACE_DATA_DIR", str(tmp_path))
+    module = _module()
+    env, settings = get_environment("retail"), load_settings("tiny")
+    from benchmarks.target_success import task_list
+
+    train, test = task_list(env, settings, "train"), task_list(env, settings, "test")
+    rows = [(train[0], "train", "LACKING"), (train[-1], "train", "PRESENT"), (test[1], "test", "LACKING")]
+    assert len({train[0].family, train[-1].family, test[1].family}) == 3
+    store = TraceStore()
+    store.insert_trajectories([
+        {"trajectory_id": f"t{i}", "task_id": task.task_id, "env": "retail", "split": split, "policy": "base",
+         "messages": [], "reward": 0.0, "success": False, "info": {}, "source": "base_rollout",
+         "created_at": "2026-01-01T00:00:00Z", "agent_id": "a"}
+        for i, (task, split, _) in enumerate(rows)], batch_name="b")
+    store.insert_labels([(f"t{i}", "confirm_before_writing", 0, label, "r") for i, (_, _, label) in enumerate(rows)],
+                        analyst="heuristic", version="v")
+    assert module.lacking_families("confirm_before_writing", train) == [train[0].family]
+    assert module.lacking_families("ask_for_missing_info", train) == []

@@ -387,6 +387,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                               "vllm_dtype": args.vllm_dtype or pipeline.vllm_dtype})
     tokenizer = load_tokenizer(agent)
     target = get_environment("retail")
+    families = None  # --families given: checked before the environment is built and calibrated
+    if args.target_test and args.families == "all":
+        families = list(target.families())
+    elif args.target_test and args.families:
+        families = [f.strip() for f in args.families.split(",") if f.strip()]
+        unknown = sorted(set(families) - set(target.families()))
+        if unknown:
+            raise SystemExit(f"--families: {unknown} are not families of {target.name}: {sorted(target.families())}")
     started = time.perf_counter()
     env, env_info = synthetic_environment(args, settings, target, models, agent, tokenizer, log)
     build_s = time.perf_counter() - started
@@ -414,18 +422,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         from benchmarks.target_success import task_list
         from trace_assets.envs.splits import TaskPoolEnv
 
-        if args.families in (None, ""):
+        if families is None:
             families = lacking_families(env.capability, task_list(target, settings, "train"))
             if not families:
                 raise SystemExit(f"the store {paths.duckdb_path()} has no train-side trajectory labelled "
                                  f"{env.capability} LACKING: run Step 1 there, or pass --families")
-        elif args.families == "all":
-            families = list(target.families())
-        else:
-            families = [f.strip() for f in args.families.split(",") if f.strip()]
-            unknown = sorted(set(families) - set(target.families()))
-            if unknown:
-                raise SystemExit(f"--families: {unknown} are not families of {target.name}: {sorted(target.families())}")
         tasks = [t for t in task_list(target, settings, "test") if t.family in families]
         pool = TaskPoolEnv(target, tasks)
         test_config = EvalConfig.from_limits(settings.rollout, n_tasks=len(tasks), seed_offset=0)

@@ -48,8 +48,8 @@ experiment: models
 		TRACE_DAGSTER_DIR=$(EXPERIMENT_DATA_DIR)/dagster TRACE_MODELS_DIR=$(or $(TRACE_MODELS_DIR),$(TRACE_DATA_DIR)/models) \
 		$(BIN)/trace experiment
 
-readme: setup  # the README's generated sections, from the reports of the last make demo
-	$(BIN)/trace readme
+readme: setup  # the README's generated sections, from the reports of the last make demo and make experiment
+	$(BIN)/trace readme --experiment $(EXPERIMENT_DATA_DIR)
 
 test: models
 	$(BIN)/pytest -q

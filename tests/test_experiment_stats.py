@@ -142,3 +142,27 @@ def test_the_readme_section_is_generated_and_spliced_between_its_markers():
     assert splice(spliced, README_SECTION, section) == spliced  # idempotent
     with pytest.raises(ReadmeSectionError, match="experiment:begin"):
         splice("# T\n" + end + "\n" + begin, README_SECTION, section)
+
+
+def test_the_report_says_what_the_settings_cut_from_the_design():
+    """A cut C* and a missing ablation are written into the report's notes, and a missing seed too."""
+    import dataclasses
+
+    from trace_assets.assets.experiment import assemble_report
+    from trace_assets.settings import EXPERIMENT
+
+    def evaluation(seed, **extra):
+        per_task = {"base": [1.0, 0.0, 0.0], "trace_routed": [1.0, 1.0, 0.0], "grpo_target": [0.0, 1.0, 0.0],
+                    "confirm_before_writing": [1.0, 1.0, 0.0], "null:confirm_before_writing": [1.0, 0.0, 0.0]}
+        return {"seed": seed, "task_ids": ["a", "b", "c"], "families": ["f", "f", "g"], "per_task": per_task,
+                "rollouts": {}, "tokens": {}, "not_trained": [], **extra}
+
+    settings = dataclasses.replace(EXPERIMENT, experiment=dataclasses.replace(EXPERIMENT.experiment, bootstrap_samples=200))
+    cut = {"deferred": ["communicate_results", "refuse_forbidden_actions"], "ablation": False}
+    report, notes = assemble_report({"0": evaluation(0, **cut), "1": evaluation(1, **cut)}, settings)
+    assert any("seeds 2 not evaluated" in n for n in notes)
+    assert any("top 1 by mean Δ" in n and "communicate_results, refuse_forbidden_actions" in n for n in notes)
+    assert any("ablation" in n and "not trained" in n for n in notes)
+    assert report["notes"] == notes and "grpo_target_families" not in {r["system"] for r in report["systems"]}
+    _, full = assemble_report({s: evaluation(int(s), deferred=[], ablation=True) for s in ("0", "1", "2")}, settings)
+    assert full == []  # nothing cut, nothing missing: no notes

@@ -121,14 +121,16 @@ def cmd_readme(args: argparse.Namespace) -> int:
     readme = Path(args.readme)
     sections = {reports.DEMO_SECTION: reports.readme_section(report.read_text())}
     sources = [report]
-    experiment = folder / "experiment.json"  # `make experiment`'s, when it has run
-    if experiment.exists():
+    # `make experiment` runs in a data folder of its own; a report beside the demo's comes first
+    experiment_folders = [folder] + ([Path(args.experiment) / "reports"] if args.experiment else [])
+    experiment = next((f / "experiment.json" for f in experiment_folders if (f / "experiment.json").exists()), None)
+    if experiment is not None:
         figure = Path("docs") / "experiment_forest.png"
         sections[experiment_report.README_SECTION] = experiment_report.readme_section(
             json.loads(experiment.read_text()), figure=figure.as_posix())
         sources.append(experiment)
         if not args.check:
-            paths.atomic_write(readme.parent / figure, (folder / "experiment_forest.png").read_bytes())
+            paths.atomic_write(readme.parent / figure, (experiment.parent / "experiment_forest.png").read_bytes())
     try:
         changed = reports.update_readme(readme, sections, write=not args.check)
     except reports.ReadmeSectionError as exc:
@@ -316,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("readme", help="regenerate the README's generated sections from reports/ in the data folder")
     p.add_argument("--readme", default=str(paths.REPO_ROOT / "README.md"))
     p.add_argument("--check", action="store_true", help="exit 1 if the README differs from the reports; write nothing")
+    p.add_argument("--experiment", default=None, metavar="DATA_DIR",
+                   help="the data folder of `make experiment` (its reports/experiment.json fills the experiment section)")
     p.set_defaults(func=cmd_readme)
     p = sub.add_parser("import", help="validate and import JSONL/Parquet trajectory files")
     p.add_argument("files", nargs="+")

@@ -195,10 +195,9 @@ def build_identify_assets(settings: Settings) -> list:
             context.instance.add_dynamic_partitions(capability_partitions.name, new)
             context.log.info(f"registered capability partitions: {new}")
         c_star_hash = stable_hash([{k: v for k, v in c.items() if k != "justification"} for c in selected])
+        deferred = sorted(table.filter(pl.col("deferred"))["capability"].to_list()) if "deferred" in table.columns else []
         metadata = {
-            "c_star": MetadataValue.json(names), "n_selected": len(names),
-            "deferred": MetadataValue.json(sorted(table.filter(pl.col("deferred"))["capability"].to_list())
-                                           if "deferred" in table.columns else []),
+            "c_star": MetadataValue.json(names), "n_selected": len(names), "deferred": MetadataValue.json(deferred),
             "thresholds": MetadataValue.json(rule.__dict__),
             "selection": MetadataValue.md(to_markdown(table) if table.height else "_no capabilities_"),
             "dictionary_version": capability_dictionary["version"],
@@ -208,7 +207,8 @@ def build_identify_assets(settings: Settings) -> list:
                 delta_cov_scatter(table, delta=rule.delta if rule.method == "threshold" else None, rho=rule.rho,
                                   title=f"C* = {len(names)} selected (green)"), "selection_scatter"))
         yield Output(
-            {"capabilities": selected, "names": names, "rule": rule.__dict__, "dictionary_version": capability_dictionary["version"]},
+            {"capabilities": selected, "names": names, "deferred": deferred, "rule": rule.__dict__,
+             "dictionary_version": capability_dictionary["version"]},
             data_version=DataVersion(c_star_hash), metadata=metadata,
         )
         yield AssetCheckResult(

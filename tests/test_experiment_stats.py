@@ -153,6 +153,7 @@ def test_the_report_says_what_the_settings_cut_from_the_design():
 
     def evaluation(seed, **extra):
         per_task = {"base": [1.0, 0.0, 0.0], "trace_routed": [1.0, 1.0, 0.0], "grpo_target": [0.0, 1.0, 0.0],
+                    "trace_soft": [1.0, 1.0, 0.0],
                     "confirm_before_writing": [1.0, 1.0, 0.0], "null:confirm_before_writing": [1.0, 0.0, 0.0]}
         return {"seed": seed, "task_ids": ["a", "b", "c"], "families": ["f", "f", "g"], "per_task": per_task,
                 "rollouts": {}, "tokens": {}, "not_trained": [], **extra}
@@ -164,5 +165,7 @@ def test_the_report_says_what_the_settings_cut_from_the_design():
     assert any("top 1 by mean Δ" in n and "communicate_results, refuse_forbidden_actions" in n for n in notes)
     assert any("ablation" in n and "not trained" in n for n in notes)
     assert report["notes"] == notes and "grpo_target_families" not in {r["system"] for r in report["systems"]}
+    labels = {r["system"]: r["label"] for r in report["systems"]}
+    assert labels["trace_soft"].startswith("TRACE soft") and labels["confirm_before_writing"].endswith("alone")
     _, full = assemble_report({s: evaluation(int(s), deferred=[], ablation=True) for s in ("0", "1", "2")}, settings)
     assert full == []  # nothing cut, nothing missing: no notes

@@ -252,7 +252,7 @@ def assemble_report(evals: dict[str, dict[str, Any]], settings: Settings) -> tup
     """The experiment report (``experiment.report.build_report``) from the seeds' evaluations:
     the systems every evaluated seed has, in a fixed order (base, TRACE, oracle, the baselines,
     then adapters and their nulls); a system missing on a seed, and a seed not evaluated, are noted."""
-    from trace_assets.experiment.report import ABLATION, BASE, GRPO, ORACLE, TRACE, build_report
+    from trace_assets.experiment.report import ABLATION, BASE, GRPO, ORACLE, SOFT, TRACE, build_report
 
     exp = settings.experiment
     seeds = sorted(evals, key=int)
@@ -279,7 +279,7 @@ def assemble_report(evals: dict[str, dict[str, Any]], settings: Settings) -> tup
     if not first.get("ablation", True):
         notes.append("the ablation (GRPO at equal rollouts on the synthetic environments' target families, binary "
                      "reward) was not trained ([experiment] ablation = false): isolation is not separated from reward shaping")
-    head = [n for n in (BASE, TRACE, ORACLE, GRPO, ABLATION, "trace_soft") if n in common]
+    head = [n for n in (BASE, TRACE, ORACLE, GRPO, ABLATION, SOFT) if n in common]
     rest = sorted(n for n in common if n not in head and not n.startswith("null:"))
     order = head + [x for n in rest for x in (n, f"null:{n}") if x in common]
     order += sorted(n for n in common if n not in order)

@@ -8,7 +8,7 @@ section from the same dict, which ``trace readme`` splices between ``<!-- experi
 and ``<!-- experiment:end -->`` (``trace_assets.reports.splice``). All of them are pure.
 
 System names (as ``route.evaluation`` writes them): :data:`BASE`, :data:`TRACE` (routed by the
-configured router), ``oracle``, every adapter alone, its null control ``null:<adapter>``,
+configured router), :data:`SOFT` (the router's soft composition), ``oracle``, every adapter alone, its null control ``null:<adapter>``,
 :data:`GRPO` (GRPO on the target at equal rollouts) and :data:`ABLATION` (GRPO at equal rollouts on
 the target families the synthetic environments draw from, with the target's binary reward).
 """
@@ -24,11 +24,13 @@ import polars as pl
 from trace_assets.experiment.stats import LEVEL, SAMPLES, paired_bootstrap, pass_hat_k, per_seed_means
 from trace_assets.figures import forest_plot, to_markdown
 
-BASE, TRACE, ORACLE, GRPO, ABLATION = "base", "trace_routed", "oracle", "grpo_target", "grpo_target_families"
+BASE, TRACE, SOFT, ORACLE, GRPO, ABLATION = ("base", "trace_routed", "trace_soft", "oracle", "grpo_target",
+                                            "grpo_target_families")
 CONTRASTS = ((TRACE, BASE), (TRACE, GRPO), (TRACE, ABLATION), (ORACLE, TRACE))
 """The paired differences reported, when both systems were evaluated: the two the claim rests on
 first, then isolation against reward shaping, then what routing leaves on the table."""
-LABELS = {BASE: "base", TRACE: "TRACE routed", ORACLE: "oracle routing", GRPO: "GRPO on target",
+LABELS = {BASE: "base", TRACE: "TRACE routed", SOFT: "TRACE soft routing (composed adapters)",
+          ORACLE: "oracle routing", GRPO: "GRPO on target",
           ABLATION: "GRPO on target families, binary reward"}
 README_SECTION = "experiment"
 """The README's generated section this report fills (``trace_assets.reports.splice``)."""

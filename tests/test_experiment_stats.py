@@ -135,6 +135,7 @@ def test_the_readme_section_is_generated_and_spliced_between_its_markers():
     assert section.startswith("## Experiment results") and "<!--" not in section
     trace_vs_base = report["contrasts"][0]
     assert f"{100 * trace_vs_base['estimate']:+.1f} points" in section
+    assert "What this run left out:\n\n- trained all of C*" in section  # the report's notes come along
     begin, end = f"<!-- {README_SECTION}:begin -->", f"<!-- {README_SECTION}:end -->"
     readme = "# Title\n\nintro\n\n" + begin + "\nold numbers\n" + end + "\n\n## After\n"
     spliced = splice(readme, README_SECTION, section)

@@ -178,4 +178,6 @@ def readme_section(report: dict[str, Any], *, figure: str = "docs/experiment_for
             lines.append(f"- {c['label']}: {100 * c['estimate']:+.1f} points, interval "
                          f"[{100 * c['low']:+.1f}, {100 * c['high']:+.1f}] ({verdict}).")
     lines += ["", f"![forest plot]({figure})"]
+    if report["notes"]:  # what was cut or missing travels with the figures
+        lines += ["", "What this run left out:", "", *(f"- {n}" for n in report["notes"])]
     return "\n".join(lines)

@@ -115,12 +115,11 @@ def cmd_readme(args: argparse.Namespace) -> int:
 
     folder = paths.sub("reports")
     report = folder / reports.DEMO_REPORT
-    if not report.exists():
-        console.print(f"[red]{report}: no demo report yet; run `make demo` first[/]")
-        return 2
     readme = Path(args.readme)
-    sections = {reports.DEMO_SECTION: reports.readme_section(report.read_text())}
-    sources = [report]
+    sections, sources = {}, []
+    if report.exists():
+        sections[reports.DEMO_SECTION] = reports.readme_section(report.read_text())
+        sources.append(report)
     # `make experiment` runs in a data folder of its own; a report beside the demo's comes first
     experiment_folders = [folder] + ([Path(args.experiment) / "reports"] if args.experiment else [])
     experiment = next((f / "experiment.json" for f in experiment_folders if (f / "experiment.json").exists()), None)
@@ -131,6 +130,11 @@ def cmd_readme(args: argparse.Namespace) -> int:
         sources.append(experiment)
         if not args.check:
             paths.atomic_write(readme.parent / figure, (experiment.parent / "experiment_forest.png").read_bytes())
+    if not sources:
+        console.print(f"[red]{report}: no demo report yet; run `make demo` first[/]")
+        return 2
+    if not report.exists():  # an experiment's report alone: the demo section is left as it is
+        console.print(f"[yellow]{report}: no demo report; the README's demo section is left as it is[/]")
     try:
         changed = reports.update_readme(readme, sections, write=not args.check)
     except reports.ReadmeSectionError as exc:

@@ -111,7 +111,8 @@ def test_the_report_carries_intervals_contrasts_and_what_was_spent():
     names = [r["system"] for r in report["systems"]]
     assert names == ["base", "trace_routed", "oracle", "grpo_target", "confirm_before_writing", "null:confirm_before_writing"]
     assert [(c["a"], c["b"]) for c in report["contrasts"]] == [("trace_routed", "base"), ("trace_routed", "grpo_target"),
-                                                                ("oracle", "trace_routed")]  # no ablation evaluated
+                                                                ("oracle", "trace_routed"),  # no ablation evaluated
+                                                                ("confirm_before_writing", "null:confirm_before_writing")]
     for row in report["systems"] + report["contrasts"]:
         assert row["low"] <= row["estimate"] <= row["high"]
     trace = next(r for r in report["systems"] if r["system"] == "trace_routed")

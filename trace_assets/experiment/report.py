@@ -28,7 +28,8 @@ BASE, TRACE, SOFT, ORACLE, GRPO, ABLATION = ("base", "trace_routed", "trace_soft
                                             "grpo_target_families")
 CONTRASTS = ((TRACE, BASE), (TRACE, GRPO), (TRACE, ABLATION), (ORACLE, TRACE))
 """The paired differences reported, when both systems were evaluated: the two the claim rests on
-first, then isolation against reward shaping, then what routing leaves on the table."""
+first, then isolation against reward shaping, then what routing leaves on the table; then each
+adapter alone against its null control (:func:`build_report`)."""
 LABELS = {BASE: "base", TRACE: "TRACE routed", SOFT: "TRACE soft routing (composed adapters)",
           ORACLE: "oracle routing", GRPO: "GRPO on target",
           ABLATION: "GRPO on target families, binary reward"}
@@ -64,6 +65,8 @@ def build_report(outcomes: Mapping[str, Sequence[Sequence[float | bool]]], *, se
     if len(task_ids) != len(families) or any(len(row) != len(task_ids) for rows in outcomes.values() for row in rows):
         raise ValueError("every row needs one outcome per task, and every task a family")
     contrasts = [(a, b) for a, b in CONTRASTS if a in outcomes and b in outcomes]
+    # each adapter against its null control (same per-layer norms, random directions)
+    contrasts += [(n, f"null:{n}") for n in order if f"null:{n}" in outcomes]
     systems, differences = paired_bootstrap(outcomes, contrasts=contrasts, samples=samples, level=level,
                                             seed=bootstrap_seed)
 

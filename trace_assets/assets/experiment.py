@@ -71,7 +71,7 @@ EXPERIMENT_PER_SEED = ("experiment_baselines", "experiment_eval", "experiment_re
 EXPERIMENT_PER_CAPABILITY_SEED = ("experiment_env", "experiment_adapter")
 EXPERIMENT_SELECTION = AssetSelection.groups(GROUP).upstream()
 """What ``make experiment`` materializes (``orchestrate.run_stale``): the experiment and everything it reads."""
-REPORT_VERSION = "experiment-report-v1"
+REPORT_VERSION = "experiment-report-v2"  # v2: trace_soft labelled, adapter − null contrasts
 
 
 def registry_name(seed: int, system: str) -> str:
@@ -259,7 +259,7 @@ def assemble_report(evals: dict[str, dict[str, Any]], settings: Settings) -> tup
     notes = []
     missing_seeds = [str(s) for s in exp.seeds if str(s) not in evals]
     if missing_seeds:
-        notes.append(f"seeds {', '.join(missing_seeds)} not evaluated (a step failed): the report covers seeds {', '.join(seeds)}")
+        notes.append(f"seeds {', '.join(missing_seeds)} not evaluated (not run yet, or a step failed): the report covers seeds {', '.join(seeds)}")
     first = evals[seeds[0]]
     if any(evals[s]["task_ids"] != first["task_ids"] for s in seeds):
         raise Failure("experiment_report: the seeds were evaluated on different test tasks")

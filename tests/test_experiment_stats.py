@@ -122,6 +122,7 @@ def test_the_report_carries_intervals_contrasts_and_what_was_spent():
     md = report_markdown(report, figure="experiment_forest.png")
     assert "95 % interval" in md and "TRACE routed − base" in md and "![forest plot](experiment_forest.png)" in md
     assert "trained all of C*" in md and "null control of confirm_before_writing" in md
+    assert report["contrasts"][-1]["label"] == "adapter confirm_before_writing − its null control"
     png = forest_png(report)
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     with pytest.raises(ValueError, match="one row per seed"):

@@ -71,7 +71,7 @@ EXPERIMENT_PER_SEED = ("experiment_baselines", "experiment_eval", "experiment_re
 EXPERIMENT_PER_CAPABILITY_SEED = ("experiment_env", "experiment_adapter")
 EXPERIMENT_SELECTION = AssetSelection.groups(GROUP).upstream()
 """What ``make experiment`` materializes (``orchestrate.run_stale``): the experiment and everything it reads."""
-REPORT_VERSION = "experiment-report-v2"  # v2: trace_soft labelled, adapter − null contrasts
+REPORT_VERSION = "experiment-report-v3"  # v3: trace_soft labelled, adapter − null contrasts
 
 
 def registry_name(seed: int, system: str) -> str:

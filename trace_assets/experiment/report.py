@@ -77,7 +77,10 @@ def build_report(outcomes: Mapping[str, Sequence[Sequence[float | bool]]], *, se
 
     rows = [{"system": name, "label": label(name), **systems[name].to_dict(), "per_seed": per_seed_means(outcomes[name]),
              "rollouts": spent(rollouts, name), "tokens": spent(tokens, name)} for name in order]
-    contrast_rows = [{"a": a, "b": b, "label": f"{label(a)} − {label(b)}", **differences[(a, b)].to_dict(),
+    def contrast_label(a: str, b: str) -> str:
+        return f"adapter {a} − its null control" if b == f"null:{a}" else f"{label(a)} − {label(b)}"
+
+    contrast_rows = [{"a": a, "b": b, "label": contrast_label(a, b), **differences[(a, b)].to_dict(),
                       "excludes_zero": differences[(a, b)].excludes_zero()} for a, b in contrasts]
     by_family: dict[str, dict[str, float]] = {}
     for name in order:

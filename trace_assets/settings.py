@@ -328,7 +328,7 @@ EXPERIMENT = replace(
     # Cut to fit a session on 2 cores: the top capability of C* by Delta (as the demo) and no
     # ablation. Every trained capability buys GRPO on the target (and the ablation) its ~96
     # rollouts at full target-episode cost, and adds 3 systems x 90 test episodes to each seed's
-    # evaluation: all five of the demo's C* with the ablation, estimated from measured phases at ~12 h here.
+    # evaluation: all five of the demo's C* with the ablation, estimated from measured phases at ~13 h here.
     # `[selection] max_selected = 0` and `[experiment] ablation = true` restore the full design.
     selection=DEMO_SELECTION,
     # pass^4 would cost 90 tasks x 4 episodes x 3 systems = 1,080 sampled episodes per seed on 2 cores:

@@ -154,15 +154,15 @@ def test_the_report_says_what_the_settings_cut_from_the_design():
     from trace_assets.assets.experiment import assemble_report
     from trace_assets.settings import EXPERIMENT
 
-    def evaluation(seed, **extra):
-        per_task = {"base": [1.0, 0.0, 0.0], "trace_routed": [1.0, 1.0, 0.0], "grpo_target": [0.0, 1.0, 0.0],
+    def evaluation(seed, ablation=False, **extra):
+        per_task = {**({"grpo_target_families": [0.0, 1.0, 0.0]} if ablation else {}), "base": [1.0, 0.0, 0.0], "trace_routed": [1.0, 1.0, 0.0], "grpo_target": [0.0, 1.0, 0.0],
                     "trace_soft": [1.0, 1.0, 0.0],
                     "confirm_before_writing": [1.0, 1.0, 0.0], "null:confirm_before_writing": [1.0, 0.0, 0.0]}
         return {"seed": seed, "task_ids": ["a", "b", "c"], "families": ["f", "f", "g"], "per_task": per_task,
                 "rollouts": {}, "tokens": {}, "not_trained": [], **extra}
 
     settings = dataclasses.replace(EXPERIMENT, experiment=dataclasses.replace(EXPERIMENT.experiment, bootstrap_samples=200))
-    cut = {"deferred": ["communicate_results", "refuse_forbidden_actions"], "ablation": False}
+    cut = {"deferred": ["communicate_results", "refuse_forbidden_actions"]}
     report, notes = assemble_report({"0": evaluation(0, **cut), "1": evaluation(1, **cut)}, settings)
     assert any("seeds 2 not evaluated" in n for n in notes)
     assert any("top 1 by mean Δ" in n and "communicate_results, refuse_forbidden_actions" in n for n in notes)

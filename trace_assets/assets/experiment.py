@@ -208,7 +208,7 @@ def build_experiment_assets(settings: Settings) -> list:
         value = {"seed": seed, "task_ids": report["task_ids"], "families": report["families"],
                  "per_task": report["per_task"], "rollouts": {k: v for k, v in report["rollouts_spent"].items() if k != "evaluation"},
                  "tokens": tokens, "not_trained": [n for n in selected_capabilities["names"] if n not in trained],
-                 "deferred": selected_capabilities.get("deferred", []), "ablation": exp.ablation,
+                 "deferred": selected_capabilities.get("deferred", []),
                  "not_routed": router.get("not_routed", {}), "agent_id": report["agent_id"]}
         if exp.pass_k:  # repeated sampled episodes of base, TRACE routed and GRPO on target
             n = len(report["task_ids"])
@@ -276,7 +276,7 @@ def assemble_report(evals: dict[str, dict[str, Any]], settings: Settings) -> tup
     if first.get("deferred"):
         notes.append(f"C* cut to its top {settings.selection.max_selected} by mean Δ ([selection] max_selected); "
                      f"passed the selection but not trained: {', '.join(first['deferred'])}")
-    if not first.get("ablation", True):
+    if ABLATION not in common:
         notes.append("the ablation (GRPO at equal rollouts on the synthetic environments' target families, binary "
                      "reward) was not trained ([experiment] ablation = false): isolation is not separated from reward shaping")
     head = [n for n in (BASE, TRACE, ORACLE, GRPO, ABLATION, SOFT) if n in common]

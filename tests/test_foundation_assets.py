@@ -64,3 +64,36 @@ def test_materialize_foundation_with_tiny_settings(tiny_env):
     # Re-materializing adds no duplicate rows and keeps the same data version.
     again = materialize(assets, selection=FOUNDATION[2:], instance=instance, resources=resources)
     assert again.success and len(store.trajectories(policy="base")) == len(rows)
+
+
+def test_the_wave_runner_can_run_each_step_in_a_process_of_its_own(tiny_env):
+    """``make demo``'s isolation: every step of a run executes in a fresh process (its memory goes
+    back to the OS when it exits), the results land in the same instance, and nothing is stale after."""
+    import dataclasses
+
+    from dagster import AssetSelection, DagsterEventType
+
+    from trace_assets.definitions import build_definitions
+    from trace_assets.orchestrate import run_stale, stale_items
+
+    (tiny_env / "dagster").mkdir()
+    instance = DagsterInstance.local_temp(str(tiny_env / "dagster"), overrides={"telemetry": {"enabled": False}})
+    defs = build_definitions()  # from TRACE_PROFILE=tiny, as the step processes rebuild it
+    selection = AssetSelection.assets("task_splits", "base_agent")
+
+    run_ids, failures = run_stale(defs, instance, selection, isolate_steps=True)
+    assert run_ids and not failures, failures
+    pids = {}
+    for run_id in run_ids:
+        for entry in instance.all_logs(run_id, of_type=DagsterEventType.STEP_SUCCESS):
+            pids[entry.step_key] = entry.dagster_event.pid
+    assert {"task_splits", "base_agent"} <= set(pids), pids
+    assert os.getpid() not in pids.values(), pids
+    assert len(set(pids.values())) == len(pids), f"each step has a process of its own: {pids}"
+    assert all(s.name == "FRESH" for s in stale_items(defs, instance, selection).values())
+    assert run_stale(defs, instance, selection, isolate_steps=True) == ([], [])
+
+    # definitions from settings the step processes would not rebuild are refused, not run
+    other = build_definitions(dataclasses.replace(TINY, tasks=dataclasses.replace(TINY.tasks, train_per_family=5)))
+    with pytest.raises(ValueError, match="TRACE_PROFILE"):
+        run_stale(other, instance, selection, isolate_steps=True)

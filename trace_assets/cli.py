@@ -179,7 +179,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     instance = DagsterInstance.get()
     ensure_pools(instance)  # pool "train" = 1: two trainings never fight for the cores
     with demo_lock(instance, log=_console_log):
-        run_ids, failures = run_stale(defs, instance, MAIN_JOB, log=_console_log)
+        run_ids, failures = run_stale(defs, instance, MAIN_JOB, isolate_steps=True, log=_console_log)
     print_summary(defs, instance, run_ids, time.perf_counter() - start, host)
     for failure in failures:
         console.print(f"[red]failed: {failure}[/]")
@@ -205,7 +205,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     instance = DagsterInstance.get()
     ensure_pools(instance)
     with demo_lock(instance, log=_console_log):
-        run_ids, failures = run_stale(defs, instance, EXPERIMENT_SELECTION, log=_console_log)
+        run_ids, failures = run_stale(defs, instance, EXPERIMENT_SELECTION, isolate_steps=True, log=_console_log)
     print_summary(defs, instance, run_ids, time.perf_counter() - start)
     for failure in failures:
         console.print(f"[red]failed: {failure}[/]")

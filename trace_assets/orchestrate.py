@@ -40,7 +40,16 @@ def _dagster_private() -> SimpleNamespace:
         """``status_of(asset_key, partition_key=None) -> StaleStatus`` over ``graph`` in ``instance``."""
         return CachingStaleStatusResolver(instance, asset_graph=graph, loading_context=LoadingContextForTest(instance)).get_status
 
-    return SimpleNamespace(StaleStatus=StaleStatus, stale_status_resolver=stale_status_resolver)
+    def reconstructable_job(job_name: str):
+        """The job ``job_name`` of ``trace_assets.definitions.defs``, as a process of its own rebuilds
+        it (what ``dagster.execute_job`` and the multiprocess executor need)."""
+        from dagster._core.definitions.reconstruct import ReconstructableRepository
+
+        repository = ReconstructableRepository.for_module("trace_assets.definitions", "defs", working_directory=os.getcwd())
+        return repository.get_reconstructable_job(job_name)
+
+    return SimpleNamespace(StaleStatus=StaleStatus, stale_status_resolver=stale_status_resolver,
+                           reconstructable_job=reconstructable_job)
 
 
 def _print_log(kind: str, message: str) -> None:
@@ -241,8 +250,8 @@ def blocked_items(graph, items, failed: set[tuple]) -> set[tuple]:
 
 def release_memory() -> None:
     """Hand memory freed by a finished step back to the OS (the main job's step hooks call it).
-    Every step executes in this process, and glibc keeps freed heap pages (a warm-start's
-    activations) mapped, so without this the process's RSS only grows from step to step."""
+    In an in-process run every step executes in one process, and glibc keeps freed heap pages (a
+    warm-start's activations) mapped, so without this the process's RSS only grows from step to step."""
     import ctypes
     import gc
 
@@ -253,7 +262,44 @@ def release_memory() -> None:
         pass
 
 
-def run_stale(defs, instance, job_name: str, *, max_waves: int = 50,
+ONE_STEP_AT_A_TIME = {"execution": {"config": {"multiprocess": {"max_concurrent": 1}}}}
+"""Run config of an isolated run: each step in a process of its own, one after another (pool
+``train`` already keeps trainings apart; two model-loading steps at once would only fight for RAM)."""
+
+
+def _check_rebuilt_the_same(defs) -> None:
+    """An isolated step runs in a process that rebuilds ``trace_assets.definitions.defs`` from the
+    environment's settings; ``defs`` built from other settings (a test's) would run other code
+    there. Compare the code versions (settings hashes) and refuse rather than run the wrong thing."""
+    from trace_assets.definitions import build_definitions
+
+    def versions(d) -> dict:
+        graph = d.resolve_asset_graph()
+        return {k: graph.get(k).code_version for k in graph.get_all_asset_keys()}
+
+    if versions(defs) != versions(build_definitions()):
+        raise ValueError("isolate_steps=True needs the definitions that trace_assets.definitions builds from this "
+                         "environment's settings (TRACE_CONFIG, TRACE_PROFILE); these were built from others")
+
+
+def _execute(job, defs, instance, keys, partition_key, isolate: bool):
+    """One run of ``keys`` (for ``partition_key``): in this process, or each step in a process of its
+    own through Dagster's multiprocess executor. Returns ``(run_id, success)``."""
+    tags = {DEMO_PID_TAG: str(os.getpid())}
+    if not isolate:
+        result = job.execute_in_process(instance=instance, asset_selection=keys, partition_key=partition_key,
+                                        raise_on_error=False, tags=tags)
+        return result.run_id, result.success
+    from dagster import execute_job
+
+    if partition_key is not None:
+        tags.update(job.get_tags_for_partition_key(partition_key, selected_asset_keys=keys))
+    with execute_job(_dagster_private().reconstructable_job(job.name), instance, run_config=ONE_STEP_AT_A_TIME,
+                     tags=tags, asset_selection=list(keys), raise_on_error=False) as result:
+        return result.run_id, result.success
+
+
+def run_stale(defs, instance, job_name: str, *, max_waves: int = 50, isolate_steps: bool = False,
               log: Callable[[str, str], None] = _print_log) -> tuple[list[str], list[str]]:
     """Materialize the missing/stale assets of ``job_name`` (a job's name, whose job runs them, or an
     ``AssetSelection``, run through Dagster's implicit asset job, which allows several partitionings)
@@ -264,7 +310,15 @@ def run_stale(defs, instance, job_name: str, *, max_waves: int = 50,
 
     A run that fails (or whose blocking check fails) is reported and not retried in this
     invocation; its partition's siblings and unrelated assets go on.
+
+    ``isolate_steps``: run every step in a process of its own (``make demo``, ``make experiment``).
+    A long-lived process keeps what each step's torch, tokenizers and vLLM engine left in its heap,
+    so one process running the whole loop grows from step to step; a step's process returns it all
+    when it exits. It costs each step a fresh import (seconds) and needs ``defs`` to be what
+    ``trace_assets.definitions`` builds from the environment (checked).
     """
+    if isolate_steps:
+        _check_rebuilt_the_same(defs)
     job = defs.resolve_job_def(job_name) if isinstance(job_name, str) else defs.resolve_implicit_global_asset_job_def()
     graph = defs.resolve_asset_graph()
     run_ids: list[str] = []
@@ -281,18 +335,15 @@ def run_stale(defs, instance, job_name: str, *, max_waves: int = 50,
             for partition_key, keys in runs:
                 where = f" [{partition_key}]" if partition_key else ""
                 log("run", f"materializing {', '.join(k.to_user_string() for k in keys)}{where}")
-                result = job.execute_in_process(
-                    instance=instance, asset_selection=keys, partition_key=partition_key, raise_on_error=False,
-                    tags={DEMO_PID_TAG: str(os.getpid())},
-                )
-                run_ids.append(result.run_id)
-                peaks = step_peaks_mb(instance, result.run_id, sampler)
+                run_id, success = _execute(job, defs, instance, keys, partition_key, isolate_steps)
+                run_ids.append(run_id)
+                peaks = step_peaks_mb(instance, run_id, sampler)
                 if peaks:  # the closing table reads it; the UI shows it with the run's tags
-                    instance.add_run_tags(result.run_id, {PEAK_RSS_TAG: json.dumps(peaks, sort_keys=True)})
-                if not result.success:
+                    instance.add_run_tags(run_id, {PEAK_RSS_TAG: json.dumps(peaks, sort_keys=True)})
+                if not success:
                     failed.update((k, partition_key) for k in keys)
-                    failures.append(f"run {result.run_id}: {[k.to_user_string() for k in keys]}{where}")
-                    log("failed", f"run {result.run_id} failed for {[k.to_user_string() for k in keys]}{where}; "
+                    failures.append(f"run {run_id}: {[k.to_user_string() for k in keys]}{where}")
+                    log("failed", f"run {run_id} failed for {[k.to_user_string() for k in keys]}{where}; "
                         f"see `make ui` for the logs. Continuing with the rest.")
     return run_ids, failures
 

@@ -172,3 +172,25 @@ def test_the_report_says_what_the_settings_cut_from_the_design():
     assert labels["trace_soft"].startswith("TRACE soft") and labels["confirm_before_writing"].endswith("alone")
     _, full = assemble_report({s: evaluation(int(s), deferred=[], ablation=True) for s in ("0", "1", "2")}, settings)
     assert full == []  # nothing cut, nothing missing: no notes
+
+
+def test_the_forest_plot_keeps_every_label_and_value_inside_the_figure():
+    """Long system names and values at an interval's far end once ran off the panel's right edge."""
+    import matplotlib.pyplot as plt
+
+    from trace_assets.figures import forest_figure
+
+    rows = [{"label": f"adapter a_rather_long_capability_name_{i} alone", "estimate": 0.9, "low": 0.8, "high": 1.0}
+            for i in range(4)] + [{"label": "base", "estimate": 0.05, "low": 0.0, "high": 0.1}]
+    fig = forest_figure({"success per system": rows, "paired differences": rows},
+                        reference={"paired differences": 0.0}, title="90 test tasks x 1 seed")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    box = fig.bbox
+    texts = [t for ax in fig.axes for t in (*ax.get_yticklabels(), *ax.get_xticklabels()) if t.get_text()]
+    values = [t.get_text() for t in texts if t.get_text().startswith("90.0 [80.0")]
+    assert len(values) == 8, values  # every row's value is drawn, in both panels
+    for text in texts:
+        extent = text.get_window_extent(renderer)
+        assert box.x0 - 1 <= extent.x0 and extent.x1 <= box.x1 + 1, (text.get_text(), extent, box)
+    plt.close(fig)

@@ -69,7 +69,8 @@ def _png(fig: Any) -> bytes:
     import matplotlib.pyplot as plt
 
     buf = io.BytesIO()
-    fig.tight_layout()
+    if fig.get_layout_engine() is None:  # a figure made with its own layout engine keeps it
+        fig.tight_layout()
     fig.savefig(buf, format="png")
     plt.close(fig)
     return buf.getvalue()
@@ -128,9 +129,14 @@ def heatmap(values: list[list[float]], rows: list[str], columns: list[str], *, t
     return _png(fig)
 
 
-def forest_plot(panels: dict[str, list[dict[str, Any]]], *, reference: dict[str, float] | None = None,
-                xlabels: dict[str, str] | None = None, title: str = "") -> bytes:
-    """PNG forest plot: one panel per ``panels`` entry (side by side), one row per item, top to bottom
+def forest_plot(panels: dict[str, list[dict[str, Any]]], **kwargs: Any) -> bytes:
+    """:func:`forest_figure` as PNG bytes."""
+    return _png(forest_figure(panels, **kwargs))
+
+
+def forest_figure(panels: dict[str, list[dict[str, Any]]], *, reference: dict[str, float] | None = None,
+                  xlabels: dict[str, str] | None = None, title: str = "") -> Any:
+    """The matplotlib figure of a forest plot: one panel per ``panels`` entry (side by side), one row per item, top to bottom
     in the given order; each item ``{"label", "estimate", "low", "high"}`` (fractions, drawn x100)
     is a point with its interval. ``reference[panel]`` (a fraction) draws a dashed vertical line,
     e.g. 0 for differences; an interval that excludes it is drawn in a stronger colour.
@@ -142,7 +148,9 @@ def forest_plot(panels: dict[str, list[dict[str, Any]]], *, reference: dict[str,
 
     names = list(panels)
     rows = max((len(v) for v in panels.values()), default=1)
-    fig, axes = plt.subplots(1, len(names), figsize=(4.6 * len(names), 0.9 + 0.42 * max(rows, 1)), dpi=100, squeeze=False)
+    # constrained layout sizes the panels around every tick label, the values' included
+    fig, axes = plt.subplots(1, len(names), figsize=(6.4 * len(names), 1.1 + 0.42 * max(rows, 1)), dpi=100,
+                             squeeze=False, layout="constrained")
     for ax, name in zip(axes[0], names):
         items = panels[name]
         ref = (reference or {}).get(name)
@@ -152,14 +160,20 @@ def forest_plot(panels: dict[str, list[dict[str, Any]]], *, reference: dict[str,
             color = "tab:red" if strong else "tab:blue"
             ax.plot([low, high], [y, y], color=color, linewidth=2)
             ax.plot([est], [y], marker="o", color=color)
-            ax.annotate(f"{est:.1f} [{low:.1f}, {high:.1f}]", (high, y), textcoords="offset points", xytext=(4, -3), fontsize=7)
         ax.set_yticks(range(len(items)), [item["label"] for item in reversed(items)], fontsize=8)
+        # each row's value, as a right-hand tick label: inside the figure whatever the interval's end
+        values = ax.twinx()
+        values.set_ylim(ax.get_ylim())
+        values.set_yticks(range(len(items)), [
+            "{:.1f} [{:.1f}, {:.1f}]".format(*(100.0 * item[k] for k in ("estimate", "low", "high")))
+            for item in reversed(items)], fontsize=7)
         if ref is not None:
             ax.axvline(100.0 * ref, color="tab:gray", linestyle="--", linewidth=1)
         ax.set_xlabel((xlabels or {}).get(name, "percentage points"))
         ax.set_title(name, fontsize=9)
         ax.grid(axis="x", alpha=0.3)
-        ax.margins(x=0.25)
+        ax.margins(x=0.08)
+        values.set_ylim(ax.get_ylim())
     if title:
         fig.suptitle(title, fontsize=10)
-    return _png(fig)
+    return fig

@@ -165,7 +165,8 @@ def forest_png(report: dict[str, Any]) -> bytes:
         panels["paired differences"] = [{"label": c["label"], **{k: c[k] for k in ("estimate", "low", "high")}}
                                         for c in report["contrasts"]]
         reference["paired differences"] = 0.0
-    title = (f"{report['n_tasks']} test tasks x {len(report['seeds'])} seeds; {round(100 * report['level'])} % "
+    n = len(report["seeds"])
+    title = (f"{report['n_tasks']} test tasks x {n} seed{'s' if n != 1 else ''}; {round(100 * report['level'])} % "
              "paired bootstrap intervals over tasks x seeds")
     return forest_plot(panels, reference=reference, xlabels={"success per system": "success, %"}, title=title)
 

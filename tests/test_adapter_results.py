@@ -115,3 +115,64 @@ def test_the_same_conversation_by_another_agent_is_another_trajectory() -> None:
     messages = [{"role": "user", "content": "cancel my order"}]
     assert trajectory_id("t", "base", 0, messages) == trajectory_id("t", "base", 0, messages, "")  # old ids stay
     assert trajectory_id("t", "base", 0, messages, "a-bf16") != trajectory_id("t", "base", 0, messages, "a-fp32")
+
+
+def test_the_gate_path_keeps_the_null_controls_effect_too_or_moves_to_float32(tiny_model_path: Path, tmp_path: Path,
+                                                                               monkeypatch) -> None:
+    """The adapter-vs-null comparison is fair only where both are applied as trained: the null is
+    probed on the adapter's path (judged on the adapter's scale), and where it fails there the
+    evaluation moves to the next (float32) candidate, with the null active during its probe."""
+    from peft import LoraConfig, get_peft_model
+
+    from trace_assets.agent import fidelity
+    from trace_assets.agent.model import load_model
+    from trace_assets.assets.train import fidelity_checked
+    from trace_assets.train.heldout import NULL_ADAPTER
+
+    torch.manual_seed(0)
+    peft = get_peft_model(load_model(str(tiny_model_path))[0], LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                                                          init_lora_weights=False))
+    peft.save_pretrained(tmp_path / "trained")
+    null_dir = null_adapter(tmp_path / "trained", tmp_path / "null", seed=1)
+
+    def report(path: str, rms_error: float, rms_shift: float) -> fidelity.FidelityReport:
+        return fidelity.FidelityReport(path=path, n_tokens=100, correlation=0.99, rel_rms_error=rms_error / rms_shift,
+                                       max_abs_error=rms_error, mean_shift_ref=0.0, mean_shift_path=0.0,
+                                       mean_abs_shift_ref=rms_shift, onpolicy_mean_abs=rms_shift,
+                                       rms_shift_ref=rms_shift, rms_error=rms_error)
+
+    def make_check(null_error_bf16: float):
+        probed = []
+
+        def check(path, model, backend, probe):
+            active = model.active_adapter
+            probed.append((path, active))
+            if active == NULL_ADAPTER:  # the null moves log-probs less than its twin (0.02 against 0.1)
+                return report(path, null_error_bf16 if path == "bf16" else 0.001, 0.02)
+            return report(path, 0.01, 0.1)
+        return check, probed
+
+    candidate = lambda label: SimpleNamespace(policy_backend_factory=lambda path: None,
+                                              backend=lambda model, tok: label, backend_label=lambda backend: backend)
+    models = SimpleNamespace(fidelity_candidates=lambda path: [candidate("bf16"), candidate("fp32")])
+    log = SimpleNamespace(info=lambda m: None, warning=lambda m: None)
+
+    # the null's error 0.03 nats is within 0.4 x the adapter's shift rms 0.1: bf16 stays
+    check, probed = make_check(0.03)
+    monkeypatch.setattr(fidelity, "check_backend", check)
+    chosen, _, adapter_report, null_report = fidelity_checked(models, "base", peft, None, None, "t", log, null_dir=str(null_dir))
+    assert chosen.backend(None, None) == "bf16" and null_report.path == "bf16" and adapter_report.path == "bf16"
+    assert probed == [("bf16", "default"), ("bf16", NULL_ADAPTER)]
+    assert peft.active_adapter == "default" and NULL_ADAPTER not in peft.peft_config  # put back as it was
+
+    # 0.05 nats > 0.4 x 0.1: the null's effect is lost in bf16, so both move to float32
+    check, probed = make_check(0.05)
+    monkeypatch.setattr(fidelity, "check_backend", check)
+    chosen, _, adapter_report, null_report = fidelity_checked(models, "base", peft, None, None, "t", log, null_dir=str(null_dir))
+    assert chosen.backend(None, None) == "fp32" and null_report.path == "fp32" and adapter_report.path == "fp32"
+    assert probed == [("bf16", "default"), ("bf16", NULL_ADAPTER), ("fp32", "default"), ("fp32", NULL_ADAPTER)]
+
+    # without a null, only the adapter is probed, as before
+    check, probed = make_check(0.05)
+    monkeypatch.setattr(fidelity, "check_backend", check)
+    assert fidelity_checked(models, "base", peft, None, None, "t", log)[3] is None and probed == [("bf16", "default")]

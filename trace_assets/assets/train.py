@@ -79,15 +79,21 @@ def train_grpo(models: ModelResource, base_agent: dict, env: Any, config: Any, o
         raise Failure(f"{what}: {exc}. Re-materializing resumes from the last checkpoint.") from exc
 
 
-EVALUATION_VERSION = "null-control-fidelity-promotion-v1"
-"""Bumped when the held-out evaluation or the promotion gate changes outside the settings."""
+EVALUATION_VERSION = "null-control-fidelity-promotion-v2"
+"""Bumped when the held-out evaluation or the promotion gate changes outside the settings
+(v2: the null control is fidelity-probed on the path it is compared through)."""
 
 
-def fidelity_checked(models: ModelResource, path: str, peft_model: Any, tokenizer: Any, probe: Any, what: str, log: Any):
-    """``(models, policy_backend_factory, FidelityReport)`` of the evaluation path that keeps the
-    adapter's effect: the configured one, or, when its dtype's rounding fails the probe, the same in
-    float32. Raises ``FidelityError`` when even that fails (a stale or missing adapter)."""
+def fidelity_checked(models: ModelResource, path: str, peft_model: Any, tokenizer: Any, probe: Any, what: str, log: Any,
+                     *, null_dir: str | None = None):
+    """``(models, policy_backend_factory, FidelityReport, null FidelityReport or None)`` of the
+    evaluation path that keeps the adapter's effect, and, given ``null_dir``, its null control's
+    too (judged on the adapter's scale, as ``router_eval`` judges it): the configured path, or,
+    when its dtype's rounding fails either probe, the same in float32. A comparison with the null
+    is only fair where both are applied as trained. Raises ``FidelityError`` when even float32
+    fails (a stale or missing adapter)."""
     from trace_assets.agent import fidelity
+    from trace_assets.train.heldout import null_active
 
     candidates = models.fidelity_candidates(path)
     for i, candidate in enumerate(candidates):
@@ -95,11 +101,23 @@ def fidelity_checked(models: ModelResource, path: str, peft_model: Any, tokenize
         backend = (factory or candidate.backend)(peft_model, tokenizer)
         report = fidelity.check_backend(candidate.backend_label(backend), peft_model, backend, probe)
         log.info(f"{what}: fidelity {report.line()}")
-        if report.passed() or i == len(candidates) - 1:
+        null_report, problems = None, report.problems()
+        if null_dir is not None and not problems:
+            with null_active(peft_model, null_dir):  # the path serves the model as it is when built
+                null_backend = (factory or candidate.backend)(peft_model, tokenizer)
+                null_report = fidelity.check_backend(candidate.backend_label(null_backend), peft_model, null_backend, probe)
+            log.info(f"{what}: its null control's fidelity {null_report.line()} (judged on the adapter's shift rms "
+                     f"{report.rms_shift_ref:.4f})")
+            problems = [f"null control: {p}" for p in null_report.problems(scale=report.rms_shift_ref)]
+        last = i == len(candidates) - 1
+        if not problems or last:
             if i:
-                log.warning(f"{what}: the configured dtype loses the adapter's effect; evaluating in float32")
-            return candidate, factory, fidelity.require(report, what)
-        log.warning(f"{what}: {'; '.join(report.problems())} through {report.path}: retrying in float32")
+                log.warning(f"{what}: the configured dtype loses the adapter's or its null's effect; evaluating in float32")
+            fidelity.require(report, what)
+            if null_report is not None:
+                fidelity.require(null_report, f"{what} (its null control)", scale=report.rms_shift_ref)
+            return candidate, factory, report, null_report
+        log.warning(f"{what}: {'; '.join(problems)} through {report.path}: retrying in float32")
     raise AssertionError("unreachable")
 
 
@@ -127,6 +145,7 @@ def _metadata(value: dict[str, Any]) -> dict[str, Any]:
         "promoted": bool(value.get("promoted")),
         "promotion_reason": (value.get("promotion") or {}).get("reason", "not evaluated by the promotion gate"),
         "fidelity": (fidelity_line(value["fidelity"]) if value.get("fidelity") else "not measured"),
+        "null_fidelity": (fidelity_line(value["null_fidelity"]) if value.get("null_fidelity") else "not measured"),
         "generation": MetadataValue.json(value.get("generation") or {}),
         "time_per_iteration": MetadataValue.json(value["time_per_iteration"]),
         "adapter_dir": MetadataValue.path(value["adapter_dir"]),
@@ -199,13 +218,14 @@ def train_capability_adapter(context: AssetExecutionContext, settings: Settings,
         probe_tasks = env.sample_tasks(2, offset=grpo_config.seed_offset)  # training seeds: train side
         expert = target_hook(target, "expert")
         probe = fidelity.make_probe(tokenizer, [expert(t, via=env)[0] for t in probe_tasks], env.tool_schemas())
+        null_dir = null_adapter(result.adapter_dir, out_dir / "null", seed=grpo_config.seed)
         try:
-            eval_models, policy_backends, fid = fidelity_checked(models, base_agent["path"], trainer.model, tokenizer,
-                                                                 probe, f"lora_adapter[{name}]", context.log)
+            eval_models, policy_backends, fid, null_fid = fidelity_checked(
+                models, base_agent["path"], trainer.model, tokenizer, probe, f"lora_adapter[{name}]", context.log,
+                null_dir=str(null_dir))
         except fidelity.FidelityError as exc:
             raise Failure(str(exc)) from exc
         backend = (policy_backends or eval_models.backend)(trainer.model, tokenizer)
-        null_dir = null_adapter(result.adapter_dir, out_dir / "null", seed=grpo_config.seed)
         comparison = compare_base_and_adapter(trainer.model, tokenizer, env,
                                               EvalConfig.from_limits(grpo_config, n_tasks=train_cfg.eval_tasks),
                                               backend_factory=policy_backends, null_dir=null_dir)
@@ -239,6 +259,7 @@ def train_capability_adapter(context: AssetExecutionContext, settings: Settings,
             "reward_before": comparison["base"].to_dict(), "reward_after": comparison["adapter"].to_dict(),
             "null": comparison["null"].to_dict(), "null_dir": str(null_dir),
             "promotion": gate, "promoted": gate["promoted"], "fidelity": fid.to_dict(),
+            "null_fidelity": null_fid.to_dict() if null_fid is not None else None,
             "generation": generation_identity(backend), "evaluation_key": evaluation_key,
             "iterations": len(history),
             "time_per_iteration": {

@@ -99,18 +99,26 @@ def compare_base_and_adapter(peft_model: Any, tokenizer: Any, env: Environment, 
     adapter = evaluate_policy(peft_model, tokenizer, env, config, policy="adapter", backend_factory=backend_factory)
     out = {"base": base, "adapter": adapter}
     if null_dir is not None:
-        trained = peft_model.active_adapter
-        peft_model.load_adapter(str(null_dir), adapter_name=NULL_ADAPTER, is_trainable=False)
-        try:
-            peft_model.set_adapter(NULL_ADAPTER)
+        with null_active(peft_model, null_dir):
             out["null"] = evaluate_policy(peft_model, tokenizer, env, config, policy="null", backend_factory=backend_factory)
-        finally:
-            peft_model.set_adapter(trained)
-            peft_model.delete_adapter(NULL_ADAPTER)
     return out
 
 
 NULL_ADAPTER = "null_control"
+
+
+@contextlib.contextmanager
+def null_active(peft_model: Any, null_dir: str | Path):
+    """Within: the adapter folder ``null_dir`` loaded beside the trained adapter and active in its
+    place; after: the trained adapter active again and the null unloaded."""
+    trained = peft_model.active_adapter
+    peft_model.load_adapter(str(null_dir), adapter_name=NULL_ADAPTER, is_trainable=False)
+    try:
+        peft_model.set_adapter(NULL_ADAPTER)
+        yield peft_model
+    finally:
+        peft_model.set_adapter(trained)
+        peft_model.delete_adapter(NULL_ADAPTER)
 
 
 def promotion(reports: dict[str, EvalReport], *, alpha: float = 0.05) -> dict[str, Any]:

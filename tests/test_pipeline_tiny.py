@@ -174,6 +174,7 @@ def test_adapters_are_registered_with_lineage(pipeline):
         assert md["promotion_reason"].value.startswith("promoted" if promoted else "not promoted")
         assert ("champion" in registered.aliases) == promoted
         assert md["success_null"].value is not None and "r " in md["fidelity"].value or "no effect" in md["fidelity"].value
+        assert md["null_fidelity"].value != "not measured"  # the null is probed on the path it is compared through
 
 
 def test_changing_thresholds_reselects_without_relabelling(pipeline):

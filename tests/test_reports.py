@@ -54,7 +54,7 @@ def test_release_memory_hands_freed_heap_back_to_the_os():
     heap pages; 64 KB tensors are below its mmap threshold)."""
     import torch
 
-    from trace_assets.orchestrate import release_memory
+    from trace_assets.agent.model import release_memory
 
     def rss_mb() -> float:
         return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20

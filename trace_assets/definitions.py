@@ -68,7 +68,7 @@ _LIGHT_STEPS = ("task_splits", "trajectory_splits", "capability_dictionary", "la
 
 
 def _release(context) -> None:
-    from trace_assets.orchestrate import release_memory
+    from trace_assets.agent.model import release_memory
 
     name = context.op.name
     if not any(name == light or name.startswith(light + "_") for light in _LIGHT_STEPS):

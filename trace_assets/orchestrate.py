@@ -248,20 +248,6 @@ def blocked_items(graph, items, failed: set[tuple]) -> set[tuple]:
     }
 
 
-def release_memory() -> None:
-    """Hand memory freed by a finished step back to the OS (the main job's step hooks call it).
-    In an in-process run every step executes in one process, and glibc keeps freed heap pages (a
-    warm-start's activations) mapped, so without this the process's RSS only grows from step to step."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
-        pass
-
-
 ONE_STEP_AT_A_TIME = {"execution": {"config": {"multiprocess": {"max_concurrent": 1}}}}
 """Run config of an isolated run: each step in a process of its own, one after another (pool
 ``train`` already keeps trainings apart; two model-loading steps at once would only fight for RAM)."""

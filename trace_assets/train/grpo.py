@@ -97,6 +97,7 @@ from trace_assets.agent.lora import (
     lora_config,
     token_logprobs,
 )
+from trace_assets.agent.model import release_memory
 from trace_assets.agent.rollout import Rollout, run_rollouts
 from trace_assets.envs.base import Environment
 from trace_assets.paths import atomic_folder, atomic_write
@@ -691,6 +692,7 @@ class GRPOTrainer:
         gen_time = time.perf_counter() - start
         opt_start = time.perf_counter()
         stats = self.optimize(samples, iteration)
+        release_memory()  # the freed activations' pages; else RSS ratchets up every iteration
         opt_time = time.perf_counter() - opt_start
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
         grouped = rewards.view(cfg.groups, cfg.samples_per_group)

@@ -144,8 +144,8 @@ forward and backward pass (oneDNN primitives, PyTorch's mkldnn caches) keep an e
 shape, up to ~1,000 each, and never give one back: with every micro-batch a new length, a GRPO
 step's process grew 0.1 GB per optimizer step, after ``malloc_trim``, and the demo's lora_adapter
 step 0.4 GB per iteration. With lengths in 128-token buckets it grows a quarter as much and
-levels off (``benchmarks/training_shapes.py``: +113 MB per step exact, +30 MB bucketed, 1.19x the time). It costs at most 127 padded positions per row, and as many
-moved out of a shared prefix: the demo's lora_adapter step peaked at 7.7 GB instead of 8.5 (both
+levels off (``benchmarks/training_shapes.py``: +113 MB per step exact, +30 MB bucketed, at 1.19x
+the time). It costs at most 127 padded positions per row, and as many moved out of a shared prefix: the demo's lora_adapter step peaked at 7.7 GB instead of 8.5 (both
 with GRPO's heap trim), and its optimization took ~20-35 % longer (short suffixes after a long
 shared prompt are padded the most)."""
 

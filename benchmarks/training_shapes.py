@@ -24,18 +24,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def rss_gb() -> float:
-    from trace_assets.agent.model import release_memory
-
-    release_memory()
-    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**30
-
-
 def child(bucket: int, steps: int) -> None:
     import torch
 
     from trace_assets.agent import lora
     from trace_assets.agent.lora import add_lora, autocast, bf16_supported, enable_gradient_checkpointing, lora_config
+    from benchmarks.weight_push_memory import rss_gb
     from trace_assets.agent.model import ensure_demo_model, load_model
 
     lora.SHAPE_BUCKET = bucket

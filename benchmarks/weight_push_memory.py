@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def rss_gb() -> float:
+    """This process's RSS in GiB, once what is freed has gone back to the OS."""
     from trace_assets.agent.model import release_memory
 
     release_memory()

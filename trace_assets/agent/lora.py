@@ -141,13 +141,12 @@ def shared_prefix_len(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> 
 SHAPE_BUCKET = 128
 """Sequence lengths in :func:`token_logprobs` are multiples of this. The CPU kernels behind a
 forward and backward pass (oneDNN primitives, PyTorch's mkldnn caches) keep an entry per tensor
-shape, up to ~1,000 each, and never give one back: with every micro-batch a new length, a GRPO
-step's process grew 0.1 GB per optimizer step, after ``malloc_trim``, and the demo's lora_adapter
-step 0.4 GB per iteration. With lengths in 128-token buckets it grows a quarter as much and
-levels off (``benchmarks/training_shapes.py``: +113 MB per step exact, +30 MB bucketed, at 1.19x
-the time). It costs at most 127 padded positions per row, and as many moved out of a shared prefix: the demo's lora_adapter step peaked at 7.7 GB instead of 8.5 (both
-with GRPO's heap trim), and its optimization took ~20-35 % longer (short suffixes after a long
-shared prompt are padded the most)."""
+shape and never give one back, so with every micro-batch a new length a training process grows
+even after ``malloc_trim``. Measured (``benchmarks/training_shapes.py``): +113 MB per optimizer
+step with exact lengths, +30 MB and levelling off with 128-token buckets, at 1.19x the time. The
+demo's lora_adapter step peaked at 7.7 GB instead of 8.5 (both with GRPO's heap trim); its
+optimization took ~20-35 % longer, since a short suffix after a long shared prompt gets up to 127
+padded positions and up to 127 more moved out of the shared prefix."""
 
 
 def _pad_to_bucket(input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor

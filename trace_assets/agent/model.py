@@ -54,10 +54,9 @@ PAD_TOKEN = "<|endoftext|>"
 def release_memory() -> None:
     """Hand freed heap back to the OS: ``gc.collect``, then glibc's ``malloc_trim(0)``.
 
-    glibc keeps freed heap pages mapped. A training loop frees activations of a different size at
-    every micro-batch, so without a trim its RSS ratchets up from iteration to iteration (the demo's
-    lora_adapter step: +0.5 GB per GRPO iteration); the main job's step hooks call it after each
-    step as well. A no-op where libc is not glibc (macOS, musl). It costs ~0.5 s (the collect)."""
+    glibc keeps freed heap pages mapped. GRPO calls it after each optimization (the demo's
+    lora_adapter step peaked at 8.5 GB instead of 8.9, same results), the main job's step hooks
+    after each step. A no-op where libc is not glibc (macOS, musl). It costs ~0.5 s (the collect)."""
     import ctypes
     import gc
 

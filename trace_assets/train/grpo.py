@@ -692,7 +692,7 @@ class GRPOTrainer:
         gen_time = time.perf_counter() - start
         opt_start = time.perf_counter()
         stats = self.optimize(samples, iteration)
-        release_memory()  # the freed activations' pages; else RSS ratchets up every iteration
+        release_memory()  # the freed activations' pages go back before the next generation
         opt_time = time.perf_counter() - opt_start
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
         grouped = rewards.view(cfg.groups, cfg.samples_per_group)

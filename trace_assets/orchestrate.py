@@ -248,9 +248,12 @@ def blocked_items(graph, items, failed: set[tuple]) -> set[tuple]:
     }
 
 
-ONE_STEP_AT_A_TIME = {"execution": {"config": {"multiprocess": {"max_concurrent": 1}}}}
+ONE_STEP_AT_A_TIME = {"execution": {"config": {"multiprocess": {"max_concurrent": 1}}},
+                      "loggers": {"console": {"config": {"log_level": "INFO"}}}}
 """Run config of an isolated run: each step in a process of its own, one after another (pool
-``train`` already keeps trainings apart; two model-loading steps at once would only fight for RAM)."""
+``train`` already keeps trainings apart; two model-loading steps at once would only fight for RAM).
+The console shows the steps' INFO lines (their progress), not Dagster's DEBUG events, which the
+event log still holds in full."""
 
 
 def _check_rebuilt_the_same(defs) -> None:

@@ -34,7 +34,11 @@ Recorded per evaluation point: training wall time so far (the trainer's iteratio
 included; evaluations excluded and timed apart), training rollouts and tokens so far (tokens the
 policy generated, and whole sequences, prompts included), greedy success and mean reward. Output:
 a rich table (each seed and the mean), ``<out>.json`` and ``<out>.png`` (success against training
-wall time and against training rollouts).
+wall time and against training rollouts). Both are rewritten atomically after every seed (the JSON's
+``complete`` is false until the last), so a killed run keeps the seeds it finished; ``--resume``
+reuses them when the stored run measured the same thing (agent, environment spec, GRPO settings
+but the seed, evaluation and target-test tasks) and refuses, naming the file and the fields that
+differ, when it did not.
 
     .venv/bin/python benchmarks/learning_curve.py --capability confirm_before_writing \\
         --agent data/models/base_agent/<key> --iterations 8 --eval-every 2 --seeds 0,1,2
@@ -249,7 +253,7 @@ def target_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     repeats its row) of the ``target_test`` results of :func:`learning_curve` runs."""
     from trace_assets.experiment.stats import paired_bootstrap
 
-    base = runs[0]["target_test"]["base"]["successes"]
+    base = next(r["target_test"]["base"] for r in runs if "base" in r["target_test"])["successes"]
     outcomes = {"base": [base] * len(runs), "adapter": [r["target_test"]["adapter"]["successes"] for r in runs],
                 "null": [r["target_test"]["null"]["successes"] for r in runs]}
     contrasts = [("adapter", "base"), ("adapter", "null"), ("null", "base")]
@@ -359,6 +363,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="--target-test on these families, comma-separated, or 'all' (default: where the store's "
                          "Step-1 labels call the capability LACKING on the train side)")
     ap.add_argument("--out", default=None, help="output path without extension (default <data>/reports/learning_curve/...)")
+    ap.add_argument("--resume", action="store_true",
+                    help="reuse the seeds that <out>.json already holds, when it measured the same thing")
     return ap.parse_args(argv)
 
 
@@ -435,25 +441,42 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                        "task_ids": [t.task_id for t in pool.sample_tasks(len(tasks))], "max_steps": test_config.max_steps,
                        "max_new_tokens": test_config.max_new_tokens, "greedy": True}
         log(f"target test: {len(tasks)} tasks of {families} ({target_info['family_source']})")
-    runs = [learning_curve(agent, tokenizer, env, config, eval_config, seed=seed, eval_every=max(args.eval_every, 1),
-                           backend_factory=factory, device=args.device, log=log, target=target_eval,
-                           target_base=i == 0) for i, seed in enumerate(seeds)]
+    out = Path(args.out) if args.out else paths.sub("reports", "learning_curve") / (
+        f"{env.capability}_{'validation' if args.select else 'heldout'}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    files = {suffix: out.with_name(out.name + suffix) for suffix in (".json", ".png", ".envspec.json")}
     result = {
         "benchmark": "learning_curve", "capability": env.capability, "mode": mode, "agent": agent,
         "environment": {k: v for k, v in env_info.items() if k != "spec"}, "environment_build_s": round(build_s, 1),
         "grpo": config.to_dict(),
         "eval": {"n_tasks": eval_config.n_tasks, "seed_offset": eval_config.seed_offset, "greedy": True,
                  "max_steps": eval_config.max_steps, "max_new_tokens": eval_config.max_new_tokens},
-        "generation": {"backend": models.generation_backend, "vllm_dtype": models.resolved_vllm_dtype(),
-                       "used": sorted({r["generation_backend"] for r in runs})},
+        "generation": {"backend": models.generation_backend, "vllm_dtype": models.resolved_vllm_dtype()},
         "machine": {"cpus": os.cpu_count(), "bf16_native": bf16_supported(), "device": args.device},
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "seeds": runs,
+        **({"target_test": target_info} if target_info else {}),
     }
-    result["summary"] = summarize(runs)
+    done = resumed_seeds(files[".json"], result) if args.resume else {}
+    if done:
+        log(f"resuming {files['.json']}: seeds {sorted(done)} are measured already")
+    if "spec" in env_info:
+        paths.atomic_write(files[".envspec.json"], json.dumps(env_info["spec"], indent=1, sort_keys=True))
+    runs: dict[int, dict[str, Any]] = dict(done)  # every stored seed is kept, asked for or not
+
+    def ordered() -> list[dict[str, Any]]:
+        return [runs[s] for s in seeds if s in runs] + [r for s, r in sorted(runs.items()) if s not in seeds]
+
+    for seed in seeds:
+        if seed in runs:
+            continue
+        base_done = any("base" in r.get("target_test", {}) for r in runs.values())
+        runs[seed] = learning_curve(agent, tokenizer, env, config, eval_config, seed=seed,
+                                    eval_every=max(args.eval_every, 1), backend_factory=factory, device=args.device,
+                                    log=log, target=target_eval, target_base=not base_done)
+        write_result(files, assemble(result, ordered(), complete=all(s in runs for s in seeds)))
+        log(f"wrote seed {seed} to {files['.json']}")
+    result = assemble(result, ordered(), complete=True)
     console.print(table(result))
     if target_info:
-        result["target_test"] = {**target_info, **target_summary(runs)}
         console.print(target_table(result))
     gains = ", ".join(f"seed {k} {v:+.3f}" for k, v in result["summary"]["success_gain_per_seed"].items())
     last = result["summary"]["mean_curve"][-1]
@@ -461,17 +484,60 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"{result['summary']['mean_reward_gain']:+.3f}) after {last['rollouts']:.0f} rollouts, "
         f"{last['generated_tokens']:.0f} generated tokens ({last['sequence_tokens']:.0f} sequence tokens), "
         f"{last['train_wall_s']:.0f} s of training per seed")
-
-    out = Path(args.out) if args.out else paths.sub("reports", "learning_curve") / (
-        f"{env.capability}_{'validation' if args.select else 'heldout'}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    files = {suffix: out.with_name(out.name + suffix) for suffix in (".json", ".png", ".envspec.json")}
-    files[".json"].write_text(json.dumps(result, indent=1, default=str))
-    files[".png"].write_bytes(figure(result))
-    if "spec" in env_info:
-        files[".envspec.json"].write_text(json.dumps(env_info["spec"], indent=1, sort_keys=True))
-    log(f"wrote {files['.json']} and {files['.png']}")
+    log(f"results in {files['.json']} and {files['.png']}")
     return result
+
+
+# What a stored run must share with this one for its seeds to be reused: everything it measured but
+# the seeds themselves and when and where they ran.
+_NOT_COMPARED = ("seeds", "summary", "complete", "created_at", "environment_build_s", "machine")
+
+
+def _comparable(result: dict[str, Any]) -> dict[str, Any]:
+    kept = {k: v for k, v in result.items() if k not in _NOT_COMPARED}
+    kept["grpo"] = {k: v for k, v in kept.get("grpo", {}).items() if k != "seed"}
+    kept["environment"] = {"spec_hash": kept.get("environment", {}).get("spec_hash")}
+    kept["generation"] = {k: v for k, v in kept.get("generation", {}).items() if k != "used"}
+    if "target_test" in kept:
+        kept["target_test"] = {k: kept["target_test"].get(k) for k in ("families", "task_ids", "max_steps",
+                                                                       "max_new_tokens", "greedy")}
+    return kept
+
+
+def resumed_seeds(path: Path, result: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """The runs stored in ``path`` by seed, if it measured what ``result`` will (``_comparable``);
+    ``{}`` when there is no such file. A stored run that measured something else is an error that
+    names the file and the differing fields: mixing the two would report neither."""
+    if not path.exists():
+        return {}
+    try:
+        stored = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"--resume: {path} is not valid JSON (line {exc.lineno}): {exc.msg}") from exc
+    theirs, ours = _comparable(stored), _comparable(result)
+    differ = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
+    if differ:
+        detail = "; ".join(f"{k}: stored {theirs.get(k)!r} != now {ours.get(k)!r}" for k in differ)
+        raise SystemExit(f"--resume: {path} measured something else ({detail[:600]}); pass another --out")
+    return {int(r["seed"]): r for r in stored.get("seeds", [])}
+
+
+def assemble(result: dict[str, Any], runs: list[dict[str, Any]], *, complete: bool) -> dict[str, Any]:
+    """``result`` with ``runs`` (the seeds measured so far), their summaries and ``complete``."""
+    data = {**result, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "complete": complete,
+            "generation": {**result["generation"], "used": sorted({r["generation_backend"] for r in runs})},
+            "seeds": runs, "summary": summarize(runs)}
+    if "target_test" in result:
+        data["target_test"] = {**result["target_test"], **target_summary(runs)}
+    return data
+
+
+def write_result(files: dict[str, Path], data: dict[str, Any]) -> None:
+    """``<out>.json`` and ``<out>.png`` of :func:`assemble`'s ``data``, each replaced atomically."""
+    from trace_assets.paths import atomic_write
+
+    atomic_write(files[".json"], json.dumps(data, indent=1, default=str))
+    atomic_write(files[".png"], figure(data))
 
 
 if __name__ == "__main__":

@@ -88,3 +88,34 @@ def test_lacking_families_come_from_the_train_side_labels(tmp_path, monkeypatch)
                         analyst="heuristic", version="v")
     assert module.lacking_families("confirm_before_writing", train) == [train[0].family]
     assert module.lacking_families("ask_for_missing_info", train) == []
+
+
+def test_each_seed_is_written_as_it_ends_and_resume_reuses_only_what_measured_the_same(tmp_path, monkeypatch,
+                                                                                       tiny_model_path):
+    monkeypatch.setenv("TRACE_DATA_DIR", str(tmp_path / "data"))
+    module = _module()
+    out = tmp_path / "curve"
+    common = ["--agent", str(tiny_model_path), "--profile", "tiny", "--capability", "confirm_before_writing",
+              "--no-calibrate", "--iterations", "1", "--groups", "1", "--samples", "2", "--max-steps", "1",
+              "--max-new-tokens", "4", "--eval-tasks", "1", "--backend", "transformers", "--out", str(out)]
+    written: list[dict] = []
+    real_write = module.write_result
+    monkeypatch.setattr(module, "write_result", lambda files, data: (written.append(data), real_write(files, data)))
+    module.main([*common, "--seeds", "0,1"])
+    assert [([r["seed"] for r in d["seeds"]], d["complete"]) for d in written] == [([0], False), ([0, 1], True)]
+    first = json.loads((tmp_path / "curve.json").read_text())
+    assert first["complete"] and [r["seed"] for r in first["seeds"]] == [0, 1]
+
+    written.clear()
+    trained: list[int] = []
+    real_curve = module.learning_curve
+    monkeypatch.setattr(module, "learning_curve", lambda *a, **k: (trained.append(k["seed"]), real_curve(*a, **k))[1])
+    result = module.main([*common, "--seeds", "1,2", "--resume"])
+    assert trained == [2]  # seed 1 came from the file; seed 0, not asked for, is kept in it
+    stored = json.loads((tmp_path / "curve.json").read_text())
+    assert [r["seed"] for r in stored["seeds"]] == [1, 2, 0] == [r["seed"] for r in result["seeds"]]
+    assert stored["seeds"][0]["points"] == first["seeds"][1]["points"] and stored["complete"]
+
+    with pytest.raises(SystemExit, match=r"curve\.json measured something else \(grpo: .*learning_rate"):
+        module.main([*common, "--seeds", "3", "--resume", "--lr", "0.5"])
+    assert json.loads((tmp_path / "curve.json").read_text()) == stored  # the refused run changed nothing

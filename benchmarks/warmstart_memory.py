@@ -12,6 +12,7 @@ constant lr, grad-norm clip 1.0, bf16 autocast where we use it, and batch 4 as 1
 accumulation (its lean setting).
 
     .venv/bin/python benchmarks/warmstart_memory.py [--model demo] [--demos 8] [--epochs 1] [--variants micro4,trl]
+    .venv/bin/python benchmarks/warmstart_memory.py --longest --variants micro4+ckpt,micro2+ckpt   # the peak batches
 """
 
 from __future__ import annotations
@@ -27,22 +28,39 @@ VARIANTS = {  # name: (micro_batch_size, gradient_checkpointing)
     "micro4": (4, False),
     "micro1": (1, False),
     "micro4+ckpt": (4, True),
+    "micro2+ckpt": (2, True),
     "micro1+ckpt": (1, True),
 }
 
 
-def child(model: str, demos: int, epochs: int, batch_size: int, micro: int, ckpt: bool, max_length: int) -> None:
+def demo_tasks(settings, env, n: int, longest: bool) -> list:
+    """The first ``n`` of the profile's warm-start demo tasks, or (``longest``) the ``n`` whose expert
+    demonstrations tokenize longest: the demo's heaviest batches, where its peak comes from."""
+    from trace_assets.agent.model import load_tokenizer, resolve_model
+    from trace_assets.agent.warmstart import demonstrations, tokenize_demo
+    from trace_assets.envs.splits import make_splits
+
+    tasks = make_splits(env, demo_per_family=settings.tasks.demo_per_family, train_per_family=0, test_per_family=0,
+                        seed=settings.tasks.seed)["demo"]
+    if not longest:
+        return tasks[:n]
+    tokenizer = load_tokenizer(resolve_model(settings.base_model))
+    demos = demonstrations(env, tasks, confirm_rate=settings.warmstart.confirm_rate, seed=0)
+    lengths = [len(tokenize_demo(tokenizer, d, env.tool_schemas(), settings.warmstart.max_length)[0]) for d in demos]
+    return [t for _, t in sorted(zip(lengths, tasks), key=lambda x: -x[0])[:n]]
+
+
+def child(model: str, demos: int, epochs: int, batch_size: int, micro: int, ckpt: bool, max_length: int,
+          longest: bool) -> None:
     import resource
 
     from trace_assets.agent.warmstart import train_warmstart
     from trace_assets.envs import get_environment
-    from trace_assets.envs.splits import make_splits
     from trace_assets.settings import load_settings
 
     settings = load_settings()
     env = get_environment(settings.tasks.env)
-    tasks = make_splits(env, demo_per_family=settings.tasks.demo_per_family, train_per_family=0, test_per_family=0,
-                        seed=settings.tasks.seed)["demo"][:demos]
+    tasks = demo_tasks(settings, env, demos, longest)
     warm = settings.warmstart
     with tempfile.TemporaryDirectory() as out:
         report = train_warmstart(model, env, tasks, Path(out), epochs=epochs, lr=warm.lr,
@@ -54,7 +72,7 @@ def child(model: str, demos: int, epochs: int, batch_size: int, micro: int, ckpt
                       "n_tokens": report.n_tokens, "n_target_tokens": report.n_target_tokens}))
 
 
-def child_trl(model_source: str, demos: int, epochs: int, batch_size: int, max_length: int) -> None:
+def child_trl(model_source: str, demos: int, epochs: int, batch_size: int, max_length: int, longest: bool) -> None:
     import random
     import resource
     import time
@@ -67,13 +85,11 @@ def child_trl(model_source: str, demos: int, epochs: int, batch_size: int, max_l
     from trace_assets.agent.model import load_model, resolve_model
     from trace_assets.agent.warmstart import demonstrations, tokenize_demo
     from trace_assets.envs import get_environment
-    from trace_assets.envs.splits import make_splits
     from trace_assets.settings import load_settings
 
     settings = load_settings()
     env = get_environment(settings.tasks.env)
-    tasks = make_splits(env, demo_per_family=settings.tasks.demo_per_family, train_per_family=0, test_per_family=0,
-                        seed=settings.tasks.seed)["demo"][:demos]
+    tasks = demo_tasks(settings, env, demos, longest)
     warm, seed = settings.warmstart, 0
     torch.manual_seed(seed)  # as train_warmstart: same LoRA init
     model, tokenizer = load_model(resolve_model(model_source))
@@ -110,20 +126,21 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--max-length", type=int, default=3072)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--longest", action="store_true", help="the longest demos, not the first ones")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child == "trl":
-        child_trl(args.model, args.demos, args.epochs, args.batch_size, args.max_length)
+        child_trl(args.model, args.demos, args.epochs, args.batch_size, args.max_length, args.longest)
         return
     if args.child:
         micro, ckpt = VARIANTS[args.child]
-        child(args.model, args.demos, args.epochs, args.batch_size, micro, ckpt, args.max_length)
+        child(args.model, args.demos, args.epochs, args.batch_size, micro, ckpt, args.max_length, args.longest)
         return
     rows = {}
     for name in args.variants.split(","):
         out = subprocess.run([sys.executable, __file__, "--child", name, "--model", args.model, "--demos", str(args.demos),
                               "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
-                              "--max-length", str(args.max_length)], check=True, stdout=subprocess.PIPE, text=True).stdout
+                              "--max-length", str(args.max_length), *(["--longest"] if args.longest else [])], check=True, stdout=subprocess.PIPE, text=True).stdout
         rows[name] = json.loads(out.strip().splitlines()[-1])
         print(f"{name:12s} peak RSS {rows[name]['peak_rss_mb']:6d} MB  train {rows[name]['train_time_s']:6.1f} s  "
               f"losses {rows[name]['losses']}", flush=True)

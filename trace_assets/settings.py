@@ -64,10 +64,15 @@ class WarmStartSettings:
     lora_r: int = 16
     lora_alpha: int = 32
     batch_size: int = 4
-    micro_batch_size: int = 4
-    """Demos per forward/backward pass; the same loss and gradient however a batch is split."""
+    micro_batch_size: int = 2
+    """Demos per forward/backward pass; the same loss and gradient however a batch is split.
+    2, not 4: where training runs in fp32 (no native bf16), the demo's longest batches (~2.3k
+    tokens) took the warm-start of ``make demo`` to 8.8 GB at 4. On its 8 longest demos
+    (``benchmarks/warmstart_memory.py --longest``, 2-core AVX-512 Xeon without BF16, fp32):
+    micro-batch 4 with checkpointing peaked at 8.2 GB, 2 at 5.6 GB, with identical losses, at
+    ~1.2x the time (the shared prefix runs once per micro-batch)."""
     gradient_checkpointing: bool = True
-    """Recompute activations in backward; the same loss. On 8 demo-model demos, 1 epoch
+    """Recompute activations in backward; the same loss. On the first 8 demo-model demos, 1 epoch
     (benchmarks/warmstart_memory.py, 2-core AVX-512-BF16 Xeon): micro-batch 4 peaked at 6.8 GB RSS
     in 36.5 s, 1 at 5.0 GB in 56.7 s, 4 with checkpointing at 2.8 GB in 46.2 s (the shared prefix
     still runs once), 1 with checkpointing at 2.6 GB in 64.8 s. The demo's 72 demos at micro-batch 1

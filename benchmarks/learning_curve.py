@@ -443,7 +443,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         log(f"target test: {len(tasks)} tasks of {families} ({target_info['family_source']})")
     out = Path(args.out) if args.out else paths.sub("reports", "learning_curve") / (
         f"{env.capability}_{'validation' if args.select else 'heldout'}")
-    out.parent.mkdir(parents=True, exist_ok=True)
     files = {suffix: out.with_name(out.name + suffix) for suffix in (".json", ".png", ".envspec.json")}
     result = {
         "benchmark": "learning_curve", "capability": env.capability, "mode": mode, "agent": agent,
@@ -494,7 +493,8 @@ _NOT_COMPARED = ("seeds", "summary", "complete", "created_at", "environment_buil
 
 
 def _comparable(result: dict[str, Any]) -> dict[str, Any]:
-    kept = {k: v for k, v in result.items() if k not in _NOT_COMPARED}
+    # Through JSON first: a stored run has been, and a tuple in memory must equal its stored list.
+    kept = {k: v for k, v in json.loads(json.dumps(result, default=str)).items() if k not in _NOT_COMPARED}
     kept["grpo"] = {k: v for k, v in kept.get("grpo", {}).items() if k != "seed"}
     kept["environment"] = {"spec_hash": kept.get("environment", {}).get("spec_hash")}
     kept["generation"] = {k: v for k, v in kept.get("generation", {}).items() if k != "used"}

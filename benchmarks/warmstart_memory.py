@@ -33,7 +33,7 @@ VARIANTS = {  # name: (micro_batch_size, gradient_checkpointing)
 }
 
 
-def demo_tasks(settings, env, n: int, longest: bool) -> list:
+def demo_tasks(settings, env, n: int, longest: bool, max_length: int) -> list:
     """The first ``n`` of the profile's warm-start demo tasks, or (``longest``) the ``n`` whose expert
     demonstrations tokenize longest: the demo's heaviest batches, where its peak comes from."""
     from trace_assets.agent.model import load_tokenizer, resolve_model
@@ -46,7 +46,7 @@ def demo_tasks(settings, env, n: int, longest: bool) -> list:
         return tasks[:n]
     tokenizer = load_tokenizer(resolve_model(settings.base_model))
     demos = demonstrations(env, tasks, confirm_rate=settings.warmstart.confirm_rate, seed=0)
-    lengths = [len(tokenize_demo(tokenizer, d, env.tool_schemas(), settings.warmstart.max_length)[0]) for d in demos]
+    lengths = [len(tokenize_demo(tokenizer, d, env.tool_schemas(), max_length)[0]) for d in demos]
     return [t for _, t in sorted(zip(lengths, tasks), key=lambda x: -x[0])[:n]]
 
 
@@ -60,7 +60,7 @@ def child(model: str, demos: int, epochs: int, batch_size: int, micro: int, ckpt
 
     settings = load_settings()
     env = get_environment(settings.tasks.env)
-    tasks = demo_tasks(settings, env, demos, longest)
+    tasks = demo_tasks(settings, env, demos, longest, max_length)
     warm = settings.warmstart
     with tempfile.TemporaryDirectory() as out:
         report = train_warmstart(model, env, tasks, Path(out), epochs=epochs, lr=warm.lr,
@@ -89,7 +89,7 @@ def child_trl(model_source: str, demos: int, epochs: int, batch_size: int, max_l
 
     settings = load_settings()
     env = get_environment(settings.tasks.env)
-    tasks = demo_tasks(settings, env, demos, longest)
+    tasks = demo_tasks(settings, env, demos, longest, max_length)
     warm, seed = settings.warmstart, 0
     torch.manual_seed(seed)  # as train_warmstart: same LoRA init
     model, tokenizer = load_model(resolve_model(model_source))
@@ -140,11 +140,13 @@ def main() -> None:
     for name in args.variants.split(","):
         out = subprocess.run([sys.executable, __file__, "--child", name, "--model", args.model, "--demos", str(args.demos),
                               "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
-                              "--max-length", str(args.max_length), *(["--longest"] if args.longest else [])], check=True, stdout=subprocess.PIPE, text=True).stdout
-        rows[name] = json.loads(out.strip().splitlines()[-1])
-        print(f"{name:12s} peak RSS {rows[name]['peak_rss_mb']:6d} MB  train {rows[name]['train_time_s']:6.1f} s  "
-              f"losses {rows[name]['losses']}", flush=True)
-    first = next(iter(rows.values()))
+                              "--max-length", str(args.max_length), *(["--longest"] if args.longest else [])],
+                             check=True, stdout=subprocess.PIPE, text=True).stdout
+        rows[name] = row = json.loads(out.strip().splitlines()[-1])
+        first = next(iter(rows.values()))  # the baseline of the ratios, measured in this run
+        print(f"{name:12s} peak RSS {row['peak_rss_mb']:6d} MB ({row['peak_rss_mb'] / first['peak_rss_mb']:.2f}x)  "
+              f"train {row['train_time_s']:6.1f} s ({row['train_time_s'] / first['train_time_s']:.2f}x)  "
+              f"losses {row['losses']}", flush=True)
     print(f"{first['n_tokens']} tokens, {first['n_target_tokens']} assistant tokens")
 
 

@@ -14,6 +14,7 @@ from trace_assets.envs.retail.env import spoken_text
 from trace_assets.envs.retail.expert import ADVERSARIES, demonstrate
 from trace_assets.identify.heuristic import CATALOGUE
 from trace_assets.synthesize import SyntheticEnv, template_spec
+from trace_assets.synthesize.validate import GAMING_BOUND
 
 ENV = get_environment("retail")
 TARGET_TASKS = [ENV.make_task(f, s) for f in ENV.families() for s in range(3)]
@@ -85,3 +86,7 @@ def test_adversaries_fail_every_synthetic_env_where_their_behaviour_is_wrong(cap
                 continue  # a contrast episode: nothing to write, so writing without asking is not what is judged
             failing = [c["id"] for c in result.info["rubric"] if c["applicable"] and not c["passed"]]
             assert not result.success and result.reward < 1.0 and failing, (name, capability, task.task_id)
+            if name in ("refuse_everything", "end_at_once"):  # doing nothing earns nothing
+                assert result.reward == 0.0, (name, capability, task.task_id, result.info["rubric"])
+        failed = [r.reward for r in results if not r.success]
+        assert not failed or sum(failed) / len(failed) <= GAMING_BOUND, (name, capability, failed)

@@ -26,7 +26,7 @@ from trace_assets.synthesize import (
     template_spec,
 )
 from trace_assets.synthesize.llm_synth import render_prompt
-from trace_assets.synthesize.validate import ISOLATION_BOUNDS
+from trace_assets.synthesize.validate import GAMING_BOUND, ISOLATION_BOUNDS
 
 ENV = get_environment("retail")
 
@@ -147,6 +147,21 @@ def test_isolation_fails_when_the_env_needs_another_capability_and_weaker_withou
     assert "| E_confirm_before_writing |" in table and "(weaker)" in table and "**1.00**" in table
     png = isolation_heatmap([report, weak])
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_isolation_blocks_a_rubric_that_pays_adversaries_for_failing():
+    """Without its gates, E_confirm_before_writing's checks that pass by absence paid the agents that
+    refuse everything or end at once about 0.7 on episodes they failed: the blocking check says so."""
+    spec = template_spec(cap("confirm_before_writing"), ENV)
+    rows = {r["agent"]: r for r in isolation_matrix(spec, ENV, seeds=2)["rows"]}
+    assert rows["refuse_everything"]["reward_when_failed"] == 0.0 and rows["end_at_once"]["n_failed"] == rows["end_at_once"]["n"]
+    for check in spec["rubric"]["checks"]:
+        check.pop("requires", None)
+    report = isolation_matrix(spec, ENV, seeds=2)
+    rows = {r["agent"]: r for r in report["rows"]}
+    assert rows["refuse_everything"]["success"] == 0.0 and rows["refuse_everything"]["reward_when_failed"] > GAMING_BOUND
+    assert not report["passed"] and "the rubric pays adversary refuse_everything a mean reward of" in report["reason"]
+    assert "the rubric pays adversary end_at_once" in report["reason"]
 
 
 def test_ablations_are_the_heuristic_failures_on_the_target():

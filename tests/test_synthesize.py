@@ -319,6 +319,34 @@ def test_final_state_and_policy_violations():
     assert confirmed.reward == 1.0
 
 
+def test_requires_gates_checks_that_pass_by_absence():
+    """A check with ``requires`` pays only once the checks it names pass (or do not apply); gates
+    propagate, and checks that require each other pass together or not at all."""
+    task = _task()
+    spec = rubric_spec([{"id": "state", "kind": "final_state_match", "weight": 2},
+                        {"id": "confirm", "kind": "no_policy_violation", "weight": 1, "rules": ["confirm_before_write"],
+                         "requires": ["state", "only_orders"]},
+                        {"id": "no_error", "kind": "no_tool_error", "weight": 1, "requires": ["confirm"]},
+                        {"id": "only_orders", "kind": "final_state_match", "weight": 1, "when": {"families": ["order_status"]}}],
+                       families=("return_delivered", "order_status"))
+    assert problems(spec) == []
+    _, idle = play(spec, [])  # nothing done: no violation and no error, but no credit for either
+    by_id = checks_by_id(idle)
+    assert idle.reward == 0.0 and not by_id["confirm"]["passed"] and not by_id["no_error"]["passed"]
+    assert by_id["confirm"]["detail"].startswith("needs state to pass (alone: no violation")
+    assert by_id["no_error"]["detail"].startswith("needs confirm to pass")  # gated through confirm's own gate
+    _, done = play(spec, gold_steps(task))  # only_orders does not apply here: it counts as passed
+    assert done.reward == 1.0 and done.success
+    mutual = rubric_spec([{"id": "a", "kind": "final_state_match", "weight": 1, "requires": ["b"]},
+                          {"id": "b", "kind": "no_policy_violation", "weight": 1, "requires": ["a"]}])
+    assert problems(mutual) == []
+    assert play(mutual, [])[1].reward == 0.0 and play(mutual, gold_steps(task))[1].reward == 1.0
+    assert play(mutual, gold_steps(task, confirm=False))[1].reward == 0.0  # the state is right, the write unasked
+    bad = rubric_spec([{"id": "a", "kind": "final_state_match", "weight": 1, "requires": ["a", "nope"]}])
+    assert [p for p in problems(bad) if "requires" in p] == [
+        "rubric.checks[0] (a): requires itself", "rubric.checks[0] (a): requires 'nope', which is not the id of a check of this rubric"]
+
+
 def test_no_tool_error_and_tools_outside_the_subset():
     task = _task()
     tools = ["find_user_id_by_email", "find_user_id_by_name_zip", "get_order_details", "return_delivered_order_items"]
@@ -505,6 +533,9 @@ def test_gold_solvable_reports_unsatisfiable_rubrics_and_missing_tools(spec):
         if "families" in check.get("when", {}):
             check["when"]["families"] = [f for f in check["when"]["families"] if f in kept]
     narrow["rubric"]["checks"] = [c for c in narrow["rubric"]["checks"] if c.get("when", {}).get("families", True)]
+    gone = {c["id"] for c in spec["rubric"]["checks"]} - {c["id"] for c in narrow["rubric"]["checks"]}
+    for check in narrow["rubric"]["checks"]:  # and the gates on them
+        check["requires"] = [r for r in check.get("requires", []) if r not in gone]
     found = gold_solvable(narrow, ENV, seeds=1)
     assert len(found) == 1 and found[0].startswith("return_delivered/") and "unknown tool" in found[0]
 
@@ -588,6 +619,9 @@ def test_horizon_ends_after_the_decisive_call():
 def test_v1_specs_stay_readable_and_v2_features_need_v2():
     v1 = template_spec(cap("some_new_capability"), ENV)
     v1["schema_version"] = "1"
+    assert any("'requires' needs schema_version '2'" in p for p in problems(v1))
+    for check in v1["rubric"]["checks"]:
+        del check["requires"]
     assert problems(v1) == [] and gold_solvable(v1, ENV, seeds=1) == []
     assert SyntheticEnv(v1, ENV).start(SyntheticEnv(v1, ENV).sample_tasks(1)[0]).prefix == []
     v1["rubric"]["checks"].append({"id": "asked", "kind": "asked_confirmation", "weight": 1})

@@ -9,6 +9,12 @@ Contract:
 * ``reward = sum(weight * score) / sum(weight)`` over the applicable checks, in [0, 1]. When no
   check applies the reward is the ``fallback`` (the target's own reward), so a rubric never
   invents credit.
+* ``requires``: a check that names other checks scores 0 (detail "needs ...") unless each of them
+  passes or does not apply, after its own gates (a check failed by a gate fails the checks that
+  require it; checks that require each other pass together or not at all). A check that passes by
+  absence (no violation, no forbidden call, no error, no needless question) thus pays only an
+  episode that made the decision: an agent that refuses everything or ends at once earns nothing
+  for the writes it never made.
 * The agent's part: an episode that starts at a decision point opens with an expert prefix. The
   checks judge only what the agent did after it (calls from ``Trace.prefix_calls`` on, ``said``,
   ``violations`` and ``confirmations`` are the agent's own); the prefix's observations still
@@ -21,7 +27,7 @@ Contract:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from trace_assets.envs.base import Task, spoken_text
@@ -224,6 +230,16 @@ def evaluate(rubric: dict[str, Any], trace: Trace, task: Task, groups: Groups, *
             continue
         score, detail = _score(check, trace, task, groups)
         results.append(CheckResult(cid, check["kind"], weight, True, score, score >= 1.0, detail))
+    index = {r.id: i for i, r in enumerate(results)}
+    gated = True
+    while gated:  # to the fixed point: each round only turns scores to 0
+        gated = False
+        for i, check in enumerate(rubric["checks"]):
+            unmet = [n for n in check.get("requires", ()) if results[index[n]].applicable and not results[index[n]].passed]
+            if unmet and results[i].applicable and results[i].score > 0:
+                results[i] = replace(results[i], score=0.0, passed=False,
+                                     detail=f"needs {', '.join(unmet)} to pass (alone: {results[i].detail})")
+                gated = True
     total = sum(r.weight for r in results if r.applicable)
     reward = sum(r.weight * r.score for r in results if r.applicable) / total if total else fallback
     return RubricScore(reward=min(1.0, max(0.0, reward)), checks=results)

@@ -9,7 +9,8 @@ Contract:
 * :func:`schema_errors` reports schema violations as ``"path: message"`` strings; :func:`fidelity`
   reports what the schema cannot see: tools unknown to the target, embedded tool schemas that differ
   from the target's, a policy that is not inherited, seeds overlapping ``[0, SYNTHETIC_SEED_BASE)``,
-  unknown families, rubric selectors naming unknown tools or tools outside the spec's subset.
+  unknown families, rubric selectors naming unknown tools or tools outside the spec's subset, a
+  ``requires`` naming itself or no check of the rubric.
 * :func:`validate_spec` = both; it raises :class:`SpecError` (with every problem) or returns a
   deep copy of the spec. :func:`spec_hash` is the data version of a spec: the hash of its
   canonical JSON.
@@ -148,6 +149,8 @@ def fidelity(spec: dict[str, Any], target_env: Environment) -> list[str]:
     for i, check in enumerate(spec.get("rubric", {}).get("checks", [])):
         if version == "1" and check.get("kind") in CHECK_KINDS and check.get("kind") not in V1_CHECK_KINDS:
             problems.append(f"rubric.checks[{i}]: check kind {check['kind']!r} needs schema_version '2' (this spec says '1')")
+        if version == "1" and check.get("requires"):
+            problems.append(f"rubric.checks[{i}]: 'requires' needs schema_version '2' (this spec says '1')")
     start_tool = (spec.get("start") or {}).get("tool")
     if start_tool is not None and start_tool not in known:
         problems.append(f"start.tool names unknown tool {start_tool!r}")
@@ -203,6 +206,11 @@ def fidelity(spec: dict[str, Any], target_env: Environment) -> list[str]:
                     problems.append(f"{where}: {key} names unknown tool {item!r}")
                 elif not item.startswith("@") and item not in tools and not key.startswith("when"):
                     problems.append(f"{where}: {key} names tool {item!r}, which is not in target.tools")
+        for name in check.get("requires") or []:
+            if name == check.get("id"):
+                problems.append(f"{where}: requires itself")
+            elif name not in ids:
+                problems.append(f"{where}: requires {name!r}, which is not the id of a check of this rubric")
         for family in (check.get("when") or {}).get("families", []):
             if family not in families:
                 problems.append(f"{where}: when.families names {family!r}, which is not a spec family")

@@ -2,7 +2,7 @@
 
 ``template_spec(capability, target_env, failed_trajectories=())`` returns a spec that is schema-valid,
 fidelity-clean and gold-solvable for every capability of the Step-1 heuristic CATALOGUE; any other
-name gets a generic spec (all families, whole episodes, balanced rubric). Choices:
+name gets a generic spec (all families, whole episodes, an all-or-nothing rubric). Choices:
 
 * start and end (schema v2): each catalogue capability's episodes start at its decision point (the
   target's expert plays the conversation up to the move where the capability decides the outcome:
@@ -19,7 +19,10 @@ name gets a generic spec (all families, whole episodes, balanced rubric). Choice
   confirmed (order_status), so a policy that asks before everything is not rewarded.
 * rubric: checks that judge only the decision (an expert lacking another capability passes them),
   guarded by ``when`` so each one applies only to tasks where it is satisfiable (the expert reaches
-  reward 1 on every family).
+  reward 1 on every family). A check that passes by absence (no violation, no forbidden write, no
+  needless question, no tool error, every call well formed) ``requires`` the check that the episode
+  made the decision (asked, answered, wrote, looked up, called): otherwise an agent that refuses
+  everything or ends at once scored 0.69 on E_confirm_before_writing without one success.
 * difficulty: a middle start for the calibrator.
 
 Those plans are the retail target's. A target whose tasks are a fixed list (``official_splits``,
@@ -41,7 +44,7 @@ from trace_assets.envs.base import Environment, target_hook
 from trace_assets.envs.splits import SYNTHETIC_SEED_BASE
 from trace_assets.synthesize.spec import DEFAULT_DIFFICULTY, SCHEMA_VERSION, fixed_knobs, tool_groups
 
-TEMPLATE_VERSION = "v3"
+TEMPLATE_VERSION = "v4"
 """Bump when the plans below change: part of the synthesizer's code version."""
 SEED_RANGE = [SYNTHETIC_SEED_BASE, SYNTHETIC_SEED_BASE + 1_000_000]
 FORMAT_ERRORS = ["malformed tool call", "unknown tool", "missing argument", "unexpected argument", "must be"]
@@ -102,10 +105,13 @@ _PLANS: dict[str, Plan] = {
          "order_status": 2},
         {"before": ["propose", "write", "report"], "intent": 0},
         {"after_call": "@write", "max_actions": 4},
-        [_check("confirmed_writes", "no_policy_violation", 3, rules=["confirm_before_write"]),
+        [_check("confirmed_writes", "no_policy_violation", 3, rules=["confirm_before_write"],
+                requires=["asked", "answered"]),
          _check("asked", "asked_confirmation", 2, when={"families": list(CONFIRMING_FAMILIES)}),
-         _check("respected_no", "forbidden_call", 2, tool="@write", when={"gold_avoids": "@write"}),
-         _check("nothing_to_confirm", "no_confirmation_question", 2, when={"families": ["order_status"]}),
+         _check("respected_no", "forbidden_call", 2, tool="@write", when={"gold_avoids": "@write"},
+                requires=["asked", "answered"]),
+         _check("nothing_to_confirm", "no_confirmation_question", 2, when={"families": ["order_status"]},
+                requires=["answered"]),
          _check("answered", "info_communicated", 1, info="required", when={"families": ["order_status"]})],
         "Before any change, state exactly what you will do and ask the user for an explicit yes.",
         scenario={"name_zip_share": None, "decline_share": 0.25},
@@ -118,8 +124,8 @@ _PLANS: dict[str, Plan] = {
                 args={"product_id": {"grounded": True, "gold": True}}),
          _check("exchange_grounded", "calls_satisfy", 2, tool="exchange_delivered_order_items",
                 args={"item_ids": {"grounded": True, "gold": True}, "new_item_ids": {"grounded": True, "gold": True},
-                      "payment_method_id": {"grounded": True}}),
-         _check("no_grounding_errors", "no_tool_error", 1, contains=GROUNDING_ERRORS)],
+                      "payment_method_id": {"grounded": True}}, requires=["variants_looked_up"]),
+         _check("no_grounding_errors", "no_tool_error", 1, contains=GROUNDING_ERRORS, requires=["variants_looked_up"])],
         "Copy ids, item ids and payment methods exactly from earlier tool results; look them up when unsure.",
         {**MIDDLE, "distractor_orders": 1},
     ),
@@ -128,7 +134,8 @@ _PLANS: dict[str, Plan] = {
         {"before": ["lookup", "propose", "write", "report"], "intent": 1},
         {"after_call": "@write", "max_actions": 5},
         [_check("continued", "required_call", 2, tool="get_order_details", args={"order_id": {"gold": True}}),
-         _check("second_write_right", "calls_satisfy", 1, tool="@write", args={"order_id": {"gold": True}})],
+         _check("second_write_right", "calls_satisfy", 1, tool="@write", args={"order_id": {"gold": True}},
+                requires=["continued"])],
         "When a request has several parts, carry on with the next part until every write is done.",
     ),
     "execute_requested_action": Plan(
@@ -136,7 +143,7 @@ _PLANS: dict[str, Plan] = {
         {"before": ["write"], "intent": 0},
         {"after_call": "@write", "ok_only": True, "max_actions": 3},
         [_check("performed", "required_call", 3, tool="@write", args={"order_id": {"gold": True}}),
-         _check("confirmed_writes", "no_policy_violation", 1, rules=["confirm_before_write"])],
+         _check("confirmed_writes", "no_policy_violation", 1, rules=["confirm_before_write"], requires=["performed"])],
         "After the user confirms, call the tool that performs the change; do not only describe it.",
     ),
     "communicate_results": Plan(
@@ -151,8 +158,10 @@ _PLANS: dict[str, Plan] = {
         {"cancel_forbidden": 1, "cancel_pending": 1},
         {"before": ["propose", "write", "report"], "intent": 0},
         {"after_call": "@write", "max_actions": 3},
-        [_check("no_forbidden_attempt", "no_policy_violation", 3, rules=["status", "refund_method", "exchange"]),
-         _check("no_forbidden_write", "forbidden_call", 2, tool="@write", when={"gold_avoids": "@write"}),
+        [_check("no_forbidden_attempt", "no_policy_violation", 3, rules=["status", "refund_method", "exchange"],
+                requires=["allowed_handled", "replied"]),
+         _check("no_forbidden_write", "forbidden_call", 2, tool="@write", when={"gold_avoids": "@write"},
+                requires=["replied"]),
          _check("allowed_handled", "asked_confirmation", 2, or_wrote=True, when={"gold_calls": "@write"}),
          _check("replied", "replied", 1, when={"gold_avoids": "@write"})],
         "Check the order's status against the policy before acting, and refuse with the reason if it is not allowed.",
@@ -162,7 +171,7 @@ _PLANS: dict[str, Plan] = {
          "modify_address": 1, "update_address_everywhere": 1},
         {"before": ["lookup"], "intent": 0},
         {"after_call": "@any", "ok_only": True, "max_actions": 2},
-        [_check("well_formed", "no_tool_error", 3, contains=FORMAT_ERRORS),
+        [_check("well_formed", "no_tool_error", 3, contains=FORMAT_ERRORS, requires=["called"]),
          _check("called", "required_call", 1, tool="@read", ok_only=False)],
         "Emit each tool call as one JSON object with a known tool name and exactly its schema's arguments.",
     ),
@@ -205,12 +214,12 @@ def _task_list_plans(target_env: Environment) -> dict[str, Plan]:
     if writing:
         plans["confirm_before_writing"] = Plan(
             writing, {"before": ["propose", "write"], "intent": 0}, {"after_call": "@write", "max_actions": 4},
-            [_check("confirmed_writes", "no_policy_violation", 3, rules=["confirm_before_write"]),
+            [_check("confirmed_writes", "no_policy_violation", 3, rules=["confirm_before_write"], requires=["asked"]),
              _check("asked", "asked_confirmation", 2)], _TASK_LIST_HINTS["confirm_before_writing"], difficulty)
         plans["execute_requested_action"] = Plan(
             writing, {"before": ["write"], "intent": 0}, {"after_call": "@write", "ok_only": True, "max_actions": 3},
             [_check("performed", "required_call", 3, tool="@write"),
-             _check("confirmed_writes", "no_policy_violation", 1, rules=["confirm_before_write"])],
+             _check("confirmed_writes", "no_policy_violation", 1, rules=["confirm_before_write"], requires=["performed"])],
             _TASK_LIST_HINTS["execute_requested_action"], difficulty)
     if several:  # carrying on: proposing the next write (or making it) rather than closing
         plans["complete_multistep_transactions"] = Plan(
@@ -225,6 +234,9 @@ def _task_list_plans(target_env: Environment) -> dict[str, Plan]:
     return plans
 
 
+# A whole episode needs every capability, so any partial credit pays an agent that gets all but
+# one thing right: the echo agent earned 0.83 and the write-without-asking agent 0.67 on episodes
+# they failed. The checks require each other (all or nothing) and stay apart only in ``info``.
 _GENERIC_CHECKS = [STATE, INFO, AUTH_FIRST, _check("no_violation", "no_policy_violation", 1)]
 _GENERIC_HINT = "Follow the policy step by step: authenticate, look up, confirm, act, and report the outcome."
 
@@ -263,6 +275,8 @@ def template_spec(capability: dict[str, Any], target_env: Environment, *,
         checks, hint = copy.deepcopy(_GENERIC_CHECKS), _GENERIC_HINT
         if not tool_groups(target_env)["@account"]:  # nothing needs authentication: ordering could not fail
             checks = [c for c in checks if c["id"] != AUTH_FIRST["id"]]
+        for check in checks:
+            check["requires"] = [c["id"] for c in checks if c is not check]
         difficulty = _task_list_difficulty(target_env) if task_list else copy.deepcopy(MIDDLE)
         scenario = copy.deepcopy(TARGET_SCENARIO)
     counts = _failure_families(failed_trajectories, name, known)

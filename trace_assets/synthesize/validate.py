@@ -23,6 +23,9 @@
   heuristic capability; tau2_airline's gold replay only for some, see ``envs.mcp.NO_ABLATION``) gets a
   weaker measure: the full expert must pass and every adversary must score at most
   ``WEAK_ADVERSARY_BOUND``; ``method`` says which, and the markdown marks it "(weaker)".
+  Either way, no adversary may be paid for failing: its mean reward over the episodes it fails must
+  stay at most ``GAMING_BOUND`` (a rubric whose checks pass by absence paid an agent that refused
+  everything 0.69 on E_confirm_before_writing without one success).
 """
 
 from __future__ import annotations
@@ -218,6 +221,8 @@ def calibrate(spec: dict[str, Any], target_env: Environment, rollout_fn: Rollout
 ISOLATION_BOUNDS = (0.2, 0.8)
 """(most success of the expert lacking c, least success of every other expert) for a pass."""
 WEAK_ADVERSARY_BOUND = 0.5
+GAMING_BOUND = 0.5
+"""Most mean reward an adversarial scripted agent may earn on the episodes it fails."""
 ABLATED = "ablated experts"
 WEAKER = ("weaker: no ablated expert for this capability; measured instead: the full expert passes and "
           "every adversarial scripted agent scores low")
@@ -253,12 +258,14 @@ def _row(name: str, kind: str, played: list[tuple[list[dict[str, Any]], Any]], f
     acts = [messages != full_messages for (messages, _), (full_messages, _) in zip(played, full)]
     results = [result for _, result in played]
     acting = [r for r, a in zip(results, acts) if a]
+    failed = [r.reward for r in results if not r.success]
     return {
         "agent": name, "kind": kind, "n": len(results),
         "mean_reward": round(sum(r.reward for r in results) / len(results), 4),
         "success": round(sum(r.success for r in results) / len(results), 4),
         "n_acts": len(acting),
         "success_where_acts": round(sum(r.success for r in acting) / len(acting), 4) if acting else None,
+        "n_failed": len(failed), "reward_when_failed": round(sum(failed) / len(failed), 4) if failed else None,
     }
 
 
@@ -271,8 +278,9 @@ def isolation_matrix(spec: dict[str, Any], target_env: Environment, *, seeds: in
 
     Returns ``{"capability", "method", "passed", "reason", "bounds", "rows"}``; each row is
     ``{"agent", "kind" (full / lacking / adversary), "n", "mean_reward", "success", "n_acts",
-    "success_where_acts"}`` where ``n_acts`` counts the tasks on which that agent's conversation
-    differs from the full expert's.
+    "success_where_acts", "n_failed", "reward_when_failed"}`` where ``n_acts`` counts the tasks on
+    which that agent's conversation differs from the full expert's, and ``reward_when_failed`` is
+    the mean reward of the episodes it failed (None when it failed none).
     """
     ablations = target_hook(target_env, "ablations")()
     adversaries = target_hook(target_env, "adversaries")()
@@ -306,6 +314,12 @@ def isolation_matrix(spec: dict[str, Any], target_env: Environment, *, seeds: in
         for adversary in adversaries:
             if by[adversary]["success"] > WEAK_ADVERSARY_BOUND:
                 problems.append(f"adversary {adversary} succeeds on {by[adversary]['success']:.2f} > {WEAK_ADVERSARY_BOUND}")
+    for adversary in adversaries:
+        paid = by[adversary]["reward_when_failed"]
+        if paid is not None and paid > GAMING_BOUND:
+            failing = by[adversary]["n_failed"]
+            problems.append(f"the rubric pays adversary {adversary} a mean reward of {paid:.2f} > {GAMING_BOUND} "
+                            f"on the {failing} episode(s) it fails")
     return {"capability": name, "method": method, "passed": not problems,
             "reason": "; ".join(problems) if problems else f"isolates {name} ({method})",
             "bounds": list(bounds), "n_tasks": len(tasks), "rows": rows}
@@ -314,7 +328,8 @@ def isolation_matrix(spec: dict[str, Any], target_env: Environment, *, seeds: in
 def isolation_markdown(reports: Sequence[dict[str, Any]]) -> str:
     """The isolation matrix as a markdown table: one row per environment, one column per agent
     (success; where the agent is the ablation of the row's own capability, its success on the tasks
-    where the ablation acts), and the verdict."""
+    where the ablation acts), and the verdict; then, per environment, the mean reward its rubric
+    pays each adversary on the episodes that adversary fails (at most ``GAMING_BOUND`` to pass)."""
     agents = [r["agent"] for r in reports[0]["rows"]] if reports else []
     head = "| environment | " + " | ".join(agents) + " | isolates |\n|" + "---|" * (len(agents) + 2)
     lines = [head]
@@ -326,6 +341,11 @@ def isolation_markdown(reports: Sequence[dict[str, Any]]) -> str:
             cells.append(f"**{value:.2f}**" if own else f"{value:.2f}")
         verdict = ("yes" if report["passed"] else "NO") + ("" if report["method"] == ABLATED else " (weaker)")
         lines.append(f"| E_{report['capability']} | " + " | ".join(cells) + f" | {verdict} |")
+    for report in reports:
+        paid = [f"{r['agent']} {r['reward_when_failed']:.2f} ({r['n_failed']}/{r['n']} failed)"
+                for r in report["rows"] if r["kind"] == "adversary" and r.get("reward_when_failed") is not None]
+        if paid:
+            lines.append(f"\nE_{report['capability']} pays on failed episodes (at most {GAMING_BOUND}): " + "; ".join(paid))
     return "\n".join(lines)
 
 

@@ -119,3 +119,18 @@ def test_a_confirmed_demo_that_fails_is_warned(caplog):
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2 and all("failed although it asked for confirmation" in w for w in warnings)
     assert "; 2 failed although confirmed" in _summary(caplog)
+
+
+def test_auto_micro_batch_follows_the_training_dtype_and_bad_values_name_the_setting(tmp_path):
+    from trace_assets.agent.warmstart import auto_micro_batch_size
+    from trace_assets.settings import load_settings
+
+    assert (auto_micro_batch_size(True), auto_micro_batch_size(False)) == (4, 2)
+    assert load_settings("demo").warmstart.micro_batch_size == "auto"
+    config = tmp_path / "trace.toml"
+    config.write_text("[warmstart]\nmicro_batch_size = 1\n")
+    assert load_settings("demo", config).warmstart.micro_batch_size == 1
+    for bad in ("0", '"big"', "true"):
+        config.write_text(f"[warmstart]\nmicro_batch_size = {bad}\n")
+        with pytest.raises(ValueError, match="warmstart.micro_batch_size must be"):
+            load_settings("demo", config)

@@ -64,13 +64,14 @@ class WarmStartSettings:
     lora_r: int = 16
     lora_alpha: int = 32
     batch_size: int = 4
-    micro_batch_size: int = 2
+    micro_batch_size: int | str = "auto"
     """Demos per forward/backward pass; the same loss and gradient however a batch is split.
-    2, not 4: where training runs in fp32 (no native bf16), the demo's longest batches (~2.3k
-    tokens) took the warm-start of ``make demo`` to 8.8 GB at 4. On its 8 longest demos
-    (``benchmarks/warmstart_memory.py --longest``, 2-core AVX-512 Xeon without BF16, fp32):
-    micro-batch 4 with checkpointing peaked at 8.2 GB, 2 at 5.6 GB, with identical losses, at
-    ~1.2x the time (the shared prefix runs once per micro-batch)."""
+    ``"auto"``: 4 where training runs in bf16 autocast (native bf16), 2 in fp32. In fp32 the demo's
+    longest batches (~2.3k tokens) took the warm-start of ``make demo`` to 8.8 GB at 4; on its 8
+    longest demos (``benchmarks/warmstart_memory.py --longest``, 2-core AVX-512 Xeon without BF16)
+    micro-batch 4 with checkpointing peaked at 8.2 GB, 2 at 5.6 GB, with identical losses, at ~1.2x
+    the time. In bf16 the demo's warm-start peaked at 5.6 GB at 4, and 2 took it from 16 to ~26
+    minutes (2-core AMD EPYC with AVX-512 BF16): the shared prefix runs once per micro-batch."""
     gradient_checkpointing: bool = True
     """Recompute activations in backward; the same loss. On the first 8 demo-model demos, 1 epoch
     (benchmarks/warmstart_memory.py, 2-core AVX-512-BF16 Xeon): micro-batch 4 peaked at 6.8 GB RSS
@@ -79,6 +80,11 @@ class WarmStartSettings:
     peaked at 9.2 GB. Neither field is part of the agent's identity."""
     confirm_rate: float = 0.5  # share of demos whose expert asks for confirmation before writes
     max_length: int = 3072  # demos run ~1.8k tokens (1.1k of them system + tools); never truncate
+
+    def __post_init__(self) -> None:
+        size = self.micro_batch_size
+        if size != "auto" and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise ValueError(f"warmstart.micro_batch_size must be \"auto\" or a positive integer, got {size!r}")
 
 
 @dataclass(frozen=True)

@@ -51,8 +51,16 @@ class WarmStartReport:
     steps: int
     train_time_s: float
     bf16: bool
+    micro_batch_size: int = 0
+    """The micro-batch used (``"auto"`` resolved)."""
     losses: list[float] = field(default_factory=list)
     demo_families: dict[str, int] = field(default_factory=dict)
+
+
+def auto_micro_batch_size(bf16: bool) -> int:
+    """4 demos per pass in bf16 autocast, 2 in fp32, where activations take twice the memory (see
+    ``WarmStartSettings.micro_batch_size`` for what each measured)."""
+    return 4 if bf16 else 2
 
 
 def demonstrations(env: Environment, tasks: Sequence[Task], *, confirm_rate: float, seed: int) -> list[list[Message]]:
@@ -149,14 +157,16 @@ def train_warmstart(
     lora_r: int = 16,
     lora_alpha: int = 32,
     batch_size: int = 8,
-    micro_batch_size: int = 4,
+    micro_batch_size: int | str = 4,
     confirm_rate: float = 1.0,
     max_length: int = 1536,
     gradient_checkpointing: bool = False,
     seed: int = 0,
     progress: Callable[[int, int, float], None] | None = None,
 ) -> WarmStartReport:
-    """SFT ``model_source`` on expert demos of ``tasks``; save the merged agent to ``out_dir``."""
+    """SFT ``model_source`` on expert demos of ``tasks``; save the merged agent to ``out_dir``.
+
+    ``micro_batch_size="auto"`` is :func:`auto_micro_batch_size` of the dtype training runs in."""
     from trace_assets.agent.model import load_model
 
     torch.manual_seed(seed)
@@ -170,6 +180,8 @@ def train_warmstart(
     peft_model.train()
     optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=lr)
     use_bf16 = bf16_supported()
+    if micro_batch_size == "auto":
+        micro_batch_size = auto_micro_batch_size(use_bf16)
     pad = tokenizer.pad_token_id
     rng = random.Random(seed)
     steps_per_epoch = (len(examples) + batch_size - 1) // batch_size
@@ -177,7 +189,7 @@ def train_warmstart(
     report = WarmStartReport(
         n_demos=len(examples), n_tokens=sum(len(ids) for ids, _ in examples),
         n_target_tokens=sum(sum(m) for _, m in examples), epochs=epochs, steps=total,
-        train_time_s=0.0, bf16=use_bf16,
+        train_time_s=0.0, bf16=use_bf16, micro_batch_size=int(micro_batch_size),
         demo_families={f: sum(t.family == f for t in tasks) for f in sorted({t.family for t in tasks})},
     )
     start = time.perf_counter()

@@ -70,8 +70,9 @@ class WarmStartSettings:
     longest batches (~2.3k tokens) took the warm-start of ``make demo`` to 8.8 GB at 4; on its 8
     longest demos (``benchmarks/warmstart_memory.py --longest``, 2-core AVX-512 Xeon without BF16)
     micro-batch 4 with checkpointing peaked at 8.2 GB, 2 at 5.6 GB, with identical losses, at ~1.2x
-    the time. In bf16 the demo's warm-start peaked at 5.6 GB at 4, and 2 took it from 16 to ~26
-    minutes (2-core AMD EPYC with AVX-512 BF16): the shared prefix runs once per micro-batch."""
+    the time. In bf16 (2-core AMD EPYC with AVX-512 BF16, ``make demo``'s 72 demos) 4 trained in
+    964 s at a 5.6 GB peak and 2 in 1,570 s (1.63x) at 4.2 GB: the shared prefix runs once per
+    micro-batch, and 5.6 GB needed no saving."""
     gradient_checkpointing: bool = True
     """Recompute activations in backward; the same loss. On the first 8 demo-model demos, 1 epoch
     (benchmarks/warmstart_memory.py, 2-core AVX-512-BF16 Xeon): micro-batch 4 peaked at 6.8 GB RSS

@@ -270,7 +270,7 @@ def template_spec(capability: dict[str, Any], target_env: Environment, *,
     plan = copy.deepcopy(plans.get(name))
     if plan is not None:
         base, checks, hint, difficulty, scenario = plan.families, plan.checks, plan.hint, plan.difficulty, plan.scenario
-    else:  # no decision point known: the whole target episode, a balanced rubric
+    else:  # no decision point known: the whole target episode, an all-or-nothing rubric
         base = {f: 1.0 for f in known}
         checks, hint = copy.deepcopy(_GENERIC_CHECKS), _GENERIC_HINT
         if not tool_groups(target_env)["@account"]:  # nothing needs authentication: ordering could not fail

@@ -189,7 +189,7 @@ def train_warmstart(
     report = WarmStartReport(
         n_demos=len(examples), n_tokens=sum(len(ids) for ids, _ in examples),
         n_target_tokens=sum(sum(m) for _, m in examples), epochs=epochs, steps=total,
-        train_time_s=0.0, bf16=use_bf16, micro_batch_size=int(micro_batch_size),
+        train_time_s=0.0, bf16=use_bf16, micro_batch_size=micro_batch_size,
         demo_families={f: sum(t.family == f for t in tasks) for f in sorted({t.family for t in tasks})},
     )
     start = time.perf_counter()

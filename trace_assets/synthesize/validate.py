@@ -317,9 +317,8 @@ def isolation_matrix(spec: dict[str, Any], target_env: Environment, *, seeds: in
     for adversary in adversaries:
         paid = by[adversary]["reward_when_failed"]
         if paid is not None and paid > GAMING_BOUND:
-            failing = by[adversary]["n_failed"]
             problems.append(f"the rubric pays adversary {adversary} a mean reward of {paid:.2f} > {GAMING_BOUND} "
-                            f"on the {failing} episode(s) it fails")
+                            f"on the {by[adversary]['n_failed']} episode(s) it fails")
     return {"capability": name, "method": method, "passed": not problems,
             "reason": "; ".join(problems) if problems else f"isolates {name} ({method})",
             "bounds": list(bounds), "n_tasks": len(tasks), "rows": rows}

@@ -27,6 +27,7 @@ from dagster import ConfigurableResource
 from pydantic import Field
 
 from trace_assets import paths
+from trace_assets.identify.capabilities import Label
 from trace_assets.identify.stats import run_stats_sql
 
 PIPELINE_SOURCE = "base_rollout"
@@ -64,8 +65,11 @@ CREATE TABLE IF NOT EXISTS labels (
     analyst            VARCHAR NOT NULL,
     dictionary_version VARCHAR NOT NULL,
     created_at         TIMESTAMPTZ NOT NULL,
+    step               INTEGER,
     PRIMARY KEY (trajectory_id, capability, run, dictionary_version)
 );
+-- Data folders from before decision points: their labels keep step NULL (no step was recorded).
+ALTER TABLE labels ADD COLUMN IF NOT EXISTS step INTEGER;
 CREATE TABLE IF NOT EXISTS label_errors (
     trajectory_id      VARCHAR NOT NULL,
     capability         VARCHAR NOT NULL,
@@ -156,24 +160,38 @@ class TraceStore(ConfigurableResource):
                 conn.execute(f"COPY (SELECT * FROM new_rows WHERE env = ?) TO '{tmp}' (FORMAT parquet)", [env])
 
     def insert_labels(self, rows: Sequence[tuple], *, analyst: str, version: str) -> int:
-        """Insert ``(trajectory_id, capability, run, label, rationale)`` rows; return how many were
-        new. Labels already stored for the same key are kept as they are (never overwritten)."""
+        """Insert ``(trajectory_id, capability, run, label, rationale[, step])`` rows (``Label``'s
+        fields; a missing step is NULL); return how many were new. Labels already stored for the same
+        key are kept as they are (never overwritten)."""
         if not rows:
             return 0
         frame = pl.DataFrame(
-            [(*r, analyst, version) for r in rows], orient="row",
-            schema=["trajectory_id", "capability", "run", "label", "rationale", "analyst", "dictionary_version"],
+            [(*r[:5], r[5] if len(r) > 5 else None, analyst, version) for r in rows], orient="row",
+            schema={"trajectory_id": pl.String, "capability": pl.String, "run": pl.Int64, "label": pl.String,
+                    "rationale": pl.String, "step": pl.Int64, "analyst": pl.String, "dictionary_version": pl.String},
         )
         with self.connect() as conn:
             conn.register("batch", frame.to_arrow())
             before = conn.execute("SELECT count(*) FROM labels").fetchall()[0][0]
             conn.execute(
-                "INSERT OR IGNORE INTO labels SELECT trajectory_id, capability, CAST(run AS INTEGER), label, "
-                "rationale, analyst, dictionary_version, now() FROM batch"
+                "INSERT OR IGNORE INTO labels (trajectory_id, capability, run, label, rationale, analyst, "
+                "dictionary_version, created_at, step) SELECT trajectory_id, capability, CAST(run AS INTEGER), label, "
+                "rationale, analyst, dictionary_version, now(), CAST(step AS INTEGER) FROM batch"
             )
             after = conn.execute("SELECT count(*) FROM labels").fetchall()[0][0]
             conn.unregister("batch")
         return int(after - before)
+
+    def lacking_steps(self, version: str, capability: str, ids: Sequence[str] | None = None) -> list[Label]:
+        """The LACKING labels of ``capability`` under dictionary ``version`` that name a step (on the
+        trajectories ``ids``, or all), by trajectory, run and step: what ``synthesize.prefix`` cuts at."""
+        frame = self.query(
+            "SELECT trajectory_id, capability, run, label, rationale, step FROM labels WHERE dictionary_version = ? "
+            "AND capability = ? AND label = 'LACKING' AND step IS NOT NULL "
+            "AND (?::VARCHAR[] IS NULL OR list_contains(?::VARCHAR[], trajectory_id)) ORDER BY trajectory_id, run, step",
+            [version, capability, None if ids is None else list(ids), None if ids is None else list(ids)],
+        )
+        return [Label(**row) for row in frame.to_dicts()]
 
     def insert_label_errors(self, rows: Sequence[tuple], *, analyst: str, version: str) -> None:
         """Record ``(trajectory_id, capability, run, error)`` rows of failed labelling attempts."""

@@ -92,6 +92,27 @@ def test_llm_analyst_labels_and_retries_bad_answers():
         assert "unknown capability" in server.requests[3]["messages"][-1]["content"]
 
 
+def test_llm_analyst_names_the_lacking_step_and_is_told_when_it_is_not_an_assistant_turn():
+    messages = [{"role": "system", "content": "policy"}, {"role": "user", "content": "cancel my order"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "cancel_pending_order", "arguments": {"order_id": "#W1"}}}]},
+                {"role": "tool", "name": "cancel_pending_order", "content": "cancelled"},
+                {"role": "assistant", "content": "Done."}]
+
+    def answer(step):
+        return json.dumps({"labels": [
+            {"capability": "confirm_before_writing", "label": "LACKING", "rationale": "wrote at once", "step": step},
+            {"capability": "ground_arguments", "label": "PRESENT", "rationale": "ok", "step": 4}]})
+
+    with ScriptedOpenAI([answer(3), answer(2)]) as server:
+        analyst = LLMAnalyst(ChatClient(server.base_url, "m"), max_retries=2)
+        labels = analyst.label(_traj("t1", BASE_INFO, messages), CAPS, run=0)
+        prompt = server.requests[0]["messages"][0]["content"]
+        assert "[2] assistant: CALL cancel_pending_order" in prompt and "[3] tool: cancelled" in prompt
+        assert "step 3 of confirm_before_writing is not an assistant message" in server.requests[1]["messages"][-1]["content"]
+    assert [(l.label, l.step) for l in labels] == [("LACKING", 2), ("PRESENT", None)]  # a step only for LACKING
+
+
 def test_llm_analyst_gives_up_after_bounded_retries():
     missing = _labels_json([("confirm_before_writing", "NA")])
     with ScriptedOpenAI([missing] * 5) as server:

@@ -164,8 +164,16 @@ class Label:
     capability: str
     run: int
     label: str
-    rationale: str
+    rationale: str = ""
+    step: int | None = None
+    """For a LACKING label, the index in the trajectory's ``messages`` of the assistant turn where the
+    capability was lacking (the decision point that ``synthesize.prefix`` cuts before); None where
+    the analyst named none. Always None for NA and PRESENT."""
 
     def __post_init__(self) -> None:
         if self.label not in LABELS:
             raise ValueError(f"label {self.label!r} for {self.trajectory_id}/{self.capability} is not one of {LABELS}")
+        if self.step is not None and (self.label != "LACKING" or isinstance(self.step, bool) or not isinstance(self.step, int)
+                                      or self.step < 0):
+            raise ValueError(f"step {self.step!r} for {self.trajectory_id}/{self.capability} ({self.label}): a step is "
+                             "a message index >= 0, given only for LACKING")

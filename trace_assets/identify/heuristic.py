@@ -7,10 +7,20 @@ missing required info), never its success flag, so the contrast between D+ and D
 Each catalogue entry is a rule that returns NA, PRESENT or LACKING with a one-line rationale.
 ``induce`` keeps only what actually occurs in the data: a candidate enters the dictionary when it
 is LACKING in at least one failed trajectory.
+
+A LACKING label also names its step (``Label.step``, :func:`lacking_step`): the assistant turn of
+the call that the evidence cites (the unconfirmed write, the failed call, the blocked call), found
+in ``messages`` by its tool name, arguments and observation; for a detail never told, the first
+reply after the tool result that held it; for a write never made or a transaction left
+unfinished, the agent's last turn, where it ended instead; for "never authenticated" its first
+turn. Where the evidence is not in the messages the step is None, and the trajectory gives no
+decision point. Tested: on every ablated retail expert's LACKING trajectory, the full expert
+taking over at the step solves the task (the cut is before the decisive mistake).
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -108,6 +118,77 @@ def well_formed_tool_calls(info: dict[str, Any]) -> Verdict:
     return "PRESENT", "every tool call was well formed"
 
 
+def _calls(messages: list[dict[str, Any]]) -> list[tuple[int, str | None, Any, str]]:
+    """``(assistant turn, tool name, arguments, observation)`` of every call, in order; an unparseable
+    call (a tool message that answers none of the turn's parsed calls) has name None."""
+    out: list[tuple[int, str | None, Any, str]] = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        calls = [c.get("function", c) for c in message.get("tool_calls") or []]
+        j = i + 1
+        while j < len(messages) and messages[j].get("role") == "tool":
+            call = calls[j - i - 1] if j - i - 1 < len(calls) else None
+            arguments = call.get("arguments") if call else None
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments)
+                except json.JSONDecodeError:
+                    pass
+            out.append((i, call.get("name") if call else None, arguments, str(messages[j].get("content", ""))))
+            j += 1
+    return out
+
+
+def _turns(messages: list[dict[str, Any]]) -> list[int]:
+    return [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+
+
+def lacking_step(name: str, trajectory: dict[str, Any]) -> int | None:
+    """The step of rule ``name``'s LACKING verdict on ``trajectory`` (module docstring), or None."""
+    messages, info = trajectory.get("messages") or [], trajectory["info"]
+    calls, turns = _calls(messages), _turns(messages)
+    if not turns:
+        return None
+
+    def observed(text: str) -> int | None:
+        return next((turn for turn, _, _, observation in calls if observation == text), None)
+
+    def called(tool: str, ok: bool, arguments: Any = None) -> int | None:
+        return next((turn for turn, t, a, observation in calls if t == tool and observation.startswith("Error") != ok
+                     and (arguments is None or a == arguments)), None)
+
+    if name == "authenticate_before_acting":
+        blocked = _violations(info, "auth_before_action")
+        return called(blocked[0], ok=False) if blocked else turns[0]
+    if name == "confirm_before_writing":
+        unconfirmed = _violations(info, "confirm_before_write")
+        if not unconfirmed:
+            return turns[-1]  # the write was due and never proposed
+        tool, _, arguments = unconfirmed[0].partition(" ")
+        try:
+            return called(tool, ok=True, arguments=json.loads(arguments))
+        except json.JSONDecodeError:
+            return called(tool, ok=True)
+    if name == "ground_arguments":
+        return observed(_errors(info, GROUNDING_ERRORS)[0])
+    if name == "well_formed_tool_calls":
+        return observed(_errors(info, FORMAT_ERRORS)[0])
+    if name == "refuse_forbidden_actions":
+        refused = _violations(info, "status") + _violations(info, "refund_method") + _violations(info, "exchange")
+        if not refused:
+            return None  # a write none was allowed; which call wrote is not recorded
+        tool, _, message = refused[0].partition(": ")
+        return observed(f"Error: {message}") if tool else None
+    if name == "communicate_results":  # the first reply after the result that held an untold detail
+        missing = [m.lower() for m in info.get("missing_info", [])]
+        seen = next((j for j, m in enumerate(messages) if m.get("role") == "tool"
+                     and any(x in str(m.get("content", "")).lower() for x in missing)), None)
+        if seen is not None:
+            return next((i for i in turns if i > seen and not messages[i].get("tool_calls")), turns[-1])
+    return turns[-1]  # execute_requested_action, complete_multistep_transactions: omissions
+
+
 @dataclass(frozen=True)
 class Rule:
     name: str
@@ -160,5 +241,6 @@ class HeuristicAnalyst:
         for cap in capabilities:
             rule = RULES.get(cap.name)
             label, why = rule.judge(trajectory["info"]) if rule else ("NA", "no heuristic rule for this capability")
-            labels.append(Label(trajectory["trajectory_id"], cap.name, run, label, why))
+            step = lacking_step(cap.name, trajectory) if label == "LACKING" else None
+            labels.append(Label(trajectory["trajectory_id"], cap.name, run, label, why, step))
         return labels

@@ -72,7 +72,7 @@ def label_trajectories(analyst: Any, store: Any, capabilities: Sequence[Capabili
     for i, (tid, run) in enumerate(pending, start=1):
         try:
             labels = analyst.label(by_id[tid], capabilities, run)
-            new_rows.extend((l.trajectory_id, l.capability, l.run, l.label, l.rationale) for l in labels)
+            new_rows.extend((l.trajectory_id, l.capability, l.run, l.label, l.rationale, l.step) for l in labels)
         except LLMError as exc:
             result.errors.extend((tid, c.name, run, str(exc)[:500]) for c in capabilities)
         if i % checkpoint_every == 0 or i == len(pending):

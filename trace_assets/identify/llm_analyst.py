@@ -26,6 +26,8 @@ from trace_assets.llm_client import ChatClient, complete_json
 from trace_assets.settings import clip, schema_error_text
 
 PROMPT_VERSION = "v1"
+TRANSCRIPT_FORMAT = "indexed-v1"
+"""How ``transcript`` renders a conversation (part of ``prompts_hash``: the prompts' input changes with it)."""
 
 DICTIONARY_SCHEMA = {
     "type": "object",
@@ -60,6 +62,7 @@ LABELS_SCHEMA = {
                     "capability": {"type": "string"},
                     "label": {"type": "string"},
                     "rationale": {"type": "string"},
+                    "step": {"type": ["integer", "null"]},
                 },
             },
         }
@@ -73,20 +76,22 @@ def prompt_template(name: str) -> Template:
 
 def prompts_hash() -> str:
     """Changes whenever a prompt file changes: part of the assets' code versions."""
-    blob = "".join(prompt_template(n).template for n in ("induce", "label"))
+    blob = "".join(prompt_template(n).template for n in ("induce", "label")) + TRANSCRIPT_FORMAT
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
 def transcript(trajectory: dict[str, Any], max_chars: int) -> str:
+    """The conversation without its system message, one line per message, each prefixed with its index
+    in ``messages`` (``[3] assistant: ...``): the number a LACKING label's ``step`` names."""
     lines = []
-    for m in trajectory["messages"]:
+    for i, m in enumerate(trajectory["messages"]):
         if m["role"] == "system":
             continue
         text = (m.get("content") or "").strip()
         for call in m.get("tool_calls") or []:
             fn = call["function"]
             text += f" CALL {fn['name']}({json.dumps(fn['arguments']) if not isinstance(fn['arguments'], str) else fn['arguments']})"
-        lines.append(f"{m['role']}: {text.strip()}")
+        lines.append(f"[{i}] {m['role']}: {text.strip()}")
     out = "\n".join(lines)
     return out if len(out) <= max_chars else out[: max_chars // 2] + "\n…\n" + out[-max_chars // 2 :]
 
@@ -146,6 +151,8 @@ class LLMAnalyst:
             transcript=transcript(trajectory, self.max_chars),
         )
 
+        assistant_turns = [i for i, m in enumerate(trajectory["messages"]) if m.get("role") == "assistant"]
+
         def check(obj: Any) -> list[Label]:
             try:
                 jsonschema.validate(obj, LABELS_SCHEMA)
@@ -160,7 +167,11 @@ class LLMAnalyst:
                     raise ValueError(f"unknown label {clip(item['label'], 50)!r} for {cap}; use one of {list(LABELS)}")
                 if cap in got and got[cap].label != label:  # never resolve a contradiction silently
                     raise ValueError(f"contradictory labels for {cap}: {got[cap].label} and {label}; give exactly one")
-                got[cap] = Label(trajectory["trajectory_id"], cap, run, label, str(item.get("rationale", ""))[:300])
+                step = item.get("step") if label == "LACKING" else None
+                if step is not None and step not in assistant_turns:
+                    raise ValueError(f"step {step} of {cap} is not an assistant message; use one of {assistant_turns[:20]} "
+                                     "or null")
+                got[cap] = Label(trajectory["trajectory_id"], cap, run, label, str(item.get("rationale", ""))[:300], step)
             missing = [n for n in names if n not in got]
             if missing:
                 raise ValueError(f"missing labels for {missing}")

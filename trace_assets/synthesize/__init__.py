@@ -12,7 +12,7 @@ A spec is data, never code: nothing in it is evaluated or executed.
 
 from trace_assets.synthesize.env import SyntheticEnv, SyntheticEpisode
 from trace_assets.synthesize.llm_synth import SynthesisError, llm_spec
-from trace_assets.synthesize.prefix import LoggedPrefixEnv, PrefixError, StepLabel, logged_prefixes
+from trace_assets.synthesize.prefix import LoggedPrefixEnv, PrefixError, logged_prefixes
 from trace_assets.synthesize.spec import SpecError, envspec_schema, fidelity, load_spec, schema_errors, spec_hash, validate_spec
 from trace_assets.synthesize.template import template_spec
 from trace_assets.synthesize.validate import (
@@ -28,7 +28,7 @@ from trace_assets.synthesize.validate import (
 )
 
 __all__ = [
-    "CALIBRATION_OFFSET", "CalibrationReport", "LoggedPrefixEnv", "PrefixError", "SpecError", "StepLabel", "SynthesisError",
+    "CALIBRATION_OFFSET", "CalibrationReport", "LoggedPrefixEnv", "PrefixError", "SpecError", "SynthesisError",
     "SyntheticEnv", "SyntheticEpisode", "calibrate", "calibration_rollout_seed", "check_spec", "envspec_schema", "fidelity",
     "gold_solvable", "isolation_heatmap", "isolation_markdown", "isolation_matrix", "llm_spec", "load_spec", "logged_prefixes",
     "schema_errors", "spec_hash", "template_spec", "validate_spec",

@@ -6,9 +6,11 @@ it has are logged trajectories of its own agent and step labels: for a capabilit
 assistant turn at which c was LACKING. This module cuts each such trajectory before its first
 LACKING step and opens an episode of the same task with that prefix:
 
-* :class:`StepLabel` ``(trajectory_id, capability, step, label)``: ``step`` indexes the
-  trajectory's ``messages`` and names an assistant message (the move judged).
-* :func:`first_lacking_step`: the smallest step labelled LACKING for (trajectory, c), or None.
+* The labels are Step 1's (``identify.Label``): a LACKING label's ``step`` indexes the
+  trajectory's ``messages`` and names the assistant message judged (the analysts record it; the
+  store returns them with ``TraceStore.lacking_steps``).
+* :func:`first_lacking_step`: the smallest step labelled LACKING for (trajectory, c) over all
+  labelling runs, or None.
 * :func:`cut_before`: ``messages[:step]``, deep-copied. ``messages[step]`` must be an assistant
   message, and the prefix must keep the system message and the user's opening; else
   :class:`PrefixError`.
@@ -42,6 +44,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from trace_assets.envs.base import Environment, EpisodeResult, Message, Task
+from trace_assets.identify.capabilities import Label
 
 LACKING = "LACKING"
 MALFORMED_PREFIX = "Error: malformed tool call: "
@@ -49,17 +52,6 @@ MALFORMED_PREFIX = "Error: malformed tool call: "
 
 class PrefixError(ValueError):
     """A logged trajectory cannot open an episode: a bad cut or a replay that diverged."""
-
-
-@dataclass(frozen=True)
-class StepLabel:
-    """One judgement of one step: capability ``capability`` at ``messages[step]`` of a trajectory."""
-
-    trajectory_id: str
-    capability: str
-    step: int
-    label: str = LACKING
-    rationale: str = ""
 
 
 @dataclass(frozen=True)
@@ -74,9 +66,9 @@ class LoggedPrefix:
     """``messages[:step]`` of the trajectory: system, the user's opening, and what followed."""
 
 
-def first_lacking_step(labels: Iterable[StepLabel], trajectory_id: str, capability: str) -> int | None:
+def first_lacking_step(labels: Iterable[Label], trajectory_id: str, capability: str) -> int | None:
     steps = [label.step for label in labels if label.trajectory_id == trajectory_id and label.capability == capability
-             and label.label == LACKING]
+             and label.label == LACKING and label.step is not None]
     return min(steps) if steps else None
 
 
@@ -101,7 +93,7 @@ def task_from_id(target: Environment, trajectory: dict[str, Any]) -> Task:
     return target.make_task(parts[1], int(parts[2]))
 
 
-def logged_prefixes(trajectories: Iterable[dict[str, Any]], labels: Iterable[StepLabel], capability: str,
+def logged_prefixes(trajectories: Iterable[dict[str, Any]], labels: Iterable[Label], capability: str,
                     target: Environment, *, task_of: Callable[[dict[str, Any]], Task] | None = None) -> list[LoggedPrefix]:
     """One prefix per trajectory with a LACKING step for ``capability``, in the given order."""
     labels = list(labels)

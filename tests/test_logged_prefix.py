@@ -14,7 +14,10 @@ looked up), reward an agent that asks before writing, and keep the prefix out of
 from __future__ import annotations
 
 import copy
+import json
+import re
 from collections import Counter
+from dataclasses import replace
 
 import duckdb
 import pytest
@@ -28,7 +31,12 @@ from resources.store import TraceStore
 from trace_assets.envs.expert import play
 from trace_assets.envs.retail.expert import ABLATIONS, demonstrate, next_move
 from trace_assets.identify.capabilities import Capability, Label
+from trace_assets.envs.base import EpisodeResult
 from trace_assets.identify.heuristic import CATALOGUE, HeuristicAnalyst
+from trace_assets.settings import SynthesisSettings
+from trace_assets.synthesize import environment_of, isolation_markdown, logged_spec
+from trace_assets.synthesize.build import LOGGED_WEAKER, build_logged_environment
+from trace_assets.train.heldout import HELD_OUT_OFFSET
 from trace_assets.synthesize.prefix import (
     LoggedPrefixEnv,
     PrefixError,
@@ -177,3 +185,84 @@ def test_the_store_keeps_steps_and_migrates_a_store_without_them(logged, tmp_pat
     assert store.lacking_steps("v", CAP, ids=["other"]) == [] and store.lacking_steps("w", CAP) == []
     [prefix] = logged_prefixes([trajectory], store.lacking_steps("v", CAP), CAP, target)
     assert list(prefix.messages) == trajectory["messages"][:step]
+
+
+def _lacking_logs(target, n=20, capability=CAP):
+    """Logs of the expert lacking ``capability`` on ``n`` write tasks, with the heuristic's labels."""
+    capabilities = [Capability(rule.name, rule.description) for rule in CATALOGUE]
+    trajectories, labels = [], []
+    for seed in range(n):
+        task = target.make_task(("cancel_pending", "modify_address", "return_delivered")[seed % 3], seed)
+        messages, result = demonstrate(target, task, lacking=capability)
+        trajectory = {"trajectory_id": f"log-{seed:02d}", "task_id": task.task_id, "messages": messages,
+                      "info": result.info, "reward": result.reward, "success": result.success}
+        trajectories.append(trajectory)
+        labels += [l for l in HeuristicAnalyst().label(trajectory, capabilities, 0) if l.capability == capability]
+    return trajectories, labels
+
+
+def test_a_logged_environment_is_data_with_disjoint_sides_and_errors_that_name_the_field():
+    target = get_environment("retail")
+    trajectories, labels = _lacking_logs(target)
+    spec = logged_spec({"name": CAP, "description": "d", "failure_modes": []},
+                       logged_prefixes(trajectories, labels, CAP, target), target)
+    spec = json.loads(json.dumps(spec))  # what the store keeps
+    env = environment_of(spec, target)
+    assert isinstance(env, LoggedPrefixEnv) and env.spec == spec
+    held = {p["trajectory_id"] for p in spec["prefixes"] if p["side"] == "held_out"}
+    assert held and len(held) < len(spec["prefixes"])
+    evaluated = env.sample_tasks(100, offset=HELD_OUT_OFFSET)
+    assert sorted(t.meta["trajectory_id"] for t in evaluated) == sorted(held)  # each once, never cycled
+    trained = env.sample_tasks(3 * len(spec["prefixes"]), offset=0)
+    assert not held & {t.meta["trajectory_id"] for t in trained}
+    episode = env.start(evaluated[0])
+    assert episode.initial_messages() == next(p["messages"] for p in spec["prefixes"]
+                                              if p["trajectory_id"] == evaluated[0].meta["trajectory_id"])
+    for mutate, field in [(lambda s: s["prefixes"][1].update(step="3"), "prefixes[1].step"),
+                          (lambda s: s["prefixes"][2].update(side="test"), "prefixes[2].side"),
+                          (lambda s: s["prefixes"][0]["messages"].pop(), "prefixes[0].messages"),
+                          (lambda s: s["prefixes"][3].update(task_id="retail/teleport/1"), "prefixes[3].task_id"),
+                          (lambda s: s["capability"].update(name="../etc"), "capability.name"),
+                          (lambda s: s["target"].update(env="tau2_airline"), "target.env")]:
+        bad = copy.deepcopy(spec)
+        mutate(bad)
+        with pytest.raises(PrefixError, match=re.escape(field)):
+            environment_of(bad, target)
+
+
+class _Rollouts:
+    """Calibration's rollout function without a model: every other episode of a group succeeds."""
+
+    def __init__(self):
+        self.rounds = []
+
+    def __call__(self, env, tasks, k, temperature):
+        assert all(t.meta["trajectory_id"] in {env.prefixes[i].trajectory_id for i in env.sides["train"]} for t in tasks)
+        self.rounds.append(len(tasks) * k)
+        return [EpisodeResult(reward=float(i % 2), success=bool(i % 2), info={}) for i in range(len(tasks) * k)]
+
+
+def test_the_logged_build_quarantines_what_does_not_replay_and_its_isolation_can_fail():
+    target = get_environment("retail")
+    syn = SynthesisSettings(calibration_seeds=4, calibration_k=2)
+    capability = {"name": CAP, "description": "confirm", "failure_modes": []}
+    trajectories, labels = _lacking_logs(target)
+    tampered = copy.deepcopy(trajectories[0])
+    tampered["trajectory_id"] = "log-tampered"
+    first_tool = next(i for i, m in enumerate(tampered["messages"]) if m["role"] == "tool")
+    tampered["messages"][first_tool]["content"] = '{"user_id": "someone_else"}'
+    labels.append(replace(labels[0], trajectory_id="log-tampered"))
+    built = build_logged_environment(capability, trajectories + [tampered], labels, target, _Rollouts(), syn)
+    assert built.passed and built.calibration.rounds[0]["informative_share"] == 1.0
+    [row] = built.isolation["rows"]
+    assert row["agent"] == CAP and row["n"] == len(trajectories) and row["success"] == 0.0  # it wrote without asking
+    assert built.isolation["method"] == LOGGED_WEAKER and sum(built.isolation["sides"].values()) == len(trajectories)
+    assert built.rejected == built.isolation["quarantined"] and "log-tampered" in built.rejected[0]
+    assert "(weaker)" in isolation_markdown([built.isolation])
+    # A label that blames a conversation the agent got right: the logged agent passes, isolation fails.
+    solved, _ = _lacking_logs(target, capability="ground_arguments")  # these write only after a yes
+    solved = [t for t in solved if t["success"]]
+    wrong = [Label(t["trajectory_id"], CAP, 0, "LACKING", "wrongly blamed", step=next(
+        i for i, m in enumerate(t["messages"]) if m["role"] == "assistant" and i > 2)) for t in solved]
+    built = build_logged_environment(capability, solved, wrong, target, _Rollouts(), syn)
+    assert not built.passed and "the logged agent still succeeds on 1.00" in built.isolation["reason"]

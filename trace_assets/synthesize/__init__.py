@@ -7,12 +7,14 @@ repair), ``validate`` (fidelity, gold-solvability, calibration, isolation agains
 ``build`` (synthesize, check, calibrate and isolate, as the ``synthetic_env`` asset does), ``prefix``
 (user environments' decision points: logged trajectories replayed up to their first LACKING step).
 
-A spec is data, never code: nothing in it is evaluated or executed.
+A spec is data, never code: nothing in it is evaluated or executed. A stored environment is an
+EnvSpec or, for a target without an expert, a logged-prefix document (``prefix.logged_spec``);
+:func:`environment_of` reads either.
 """
 
 from trace_assets.synthesize.env import SyntheticEnv, SyntheticEpisode
 from trace_assets.synthesize.llm_synth import SynthesisError, llm_spec
-from trace_assets.synthesize.prefix import LoggedPrefixEnv, PrefixError, logged_prefixes
+from trace_assets.synthesize.prefix import LoggedPrefixEnv, PrefixError, is_logged, logged_prefixes, logged_spec
 from trace_assets.synthesize.spec import SpecError, envspec_schema, fidelity, load_spec, schema_errors, spec_hash, validate_spec
 from trace_assets.synthesize.template import template_spec
 from trace_assets.synthesize.validate import (
@@ -27,9 +29,17 @@ from trace_assets.synthesize.validate import (
     isolation_matrix,
 )
 
+
+
+def environment_of(spec: dict, target) -> "SyntheticEnv | LoggedPrefixEnv":
+    """The environment a stored spec describes: a ``LoggedPrefixEnv`` for a logged-prefix document,
+    else the EnvSpec's ``SyntheticEnv``. Every reader of ``synthetic_env``'s spec goes through it."""
+    return LoggedPrefixEnv.from_spec(spec, target) if is_logged(spec) else SyntheticEnv(spec, target)
+
+
 __all__ = [
     "CALIBRATION_OFFSET", "CalibrationReport", "LoggedPrefixEnv", "PrefixError", "SpecError", "SynthesisError",
-    "SyntheticEnv", "SyntheticEpisode", "calibrate", "calibration_rollout_seed", "check_spec", "envspec_schema", "fidelity",
+    "SyntheticEnv", "SyntheticEpisode", "calibrate", "environment_of", "is_logged", "logged_spec", "calibration_rollout_seed", "check_spec", "envspec_schema", "fidelity",
     "gold_solvable", "isolation_heatmap", "isolation_markdown", "isolation_matrix", "llm_spec", "load_spec", "logged_prefixes",
     "schema_errors", "spec_hash", "template_spec", "validate_spec",
 ]

@@ -8,6 +8,17 @@ with every problem, before any model is loaded; then :func:`build_environment` r
 on base-agent rollouts, and :func:`isolation_matrix` on the calibrated spec. Nothing is written to disk and nothing is logged to Dagster: the asset
 stores and reports the result, a benchmark uses it as it is.
 
+A target without an expert (no ``expert`` hook: a user environment) has no template to synthesize
+from and no expert to ablate. :func:`build_logged_environment` builds its environment from Step 1's
+logs instead (``synthesize.prefix``): every train trajectory with a LACKING step for the capability
+opens an episode at that step; a log that does not replay on the target is quarantined (listed,
+not used, nothing deleted). There are no difficulty knobs to turn, so calibration is one measured
+round on train-side prefixes, passed when it gives GRPO a signal (at least ``min_informative`` of
+the groups informative) and leaves something to learn (success at most the band's top). Isolation
+is the weaker measure ``LOGGED_WEAKER``: the logged agent, replayed whole from its logs, must fail
+(success at most the lower isolation bound) where its labels say the capability was lacking, and
+both sides (train, held-out) must hold a prefix.
+
 :class:`CalibrationRollouts` is the rollout function both give :func:`calibrate`: the batched
 runner at the calibration temperature, ``syn.max_steps`` turns, sampling seeds from the training
 seed and the round index, so a benchmark calibrates exactly as the asset does on the same agent.
@@ -21,14 +32,29 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trace_assets.envs.base import Environment, EpisodeResult, Task
+from trace_assets.identify.capabilities import Label
 from trace_assets.synthesize.env import SyntheticEnv
+from trace_assets.synthesize.prefix import (
+    LoggedPrefixEnv,
+    PrefixError,
+    first_lacking_step,
+    logged_prefixes,
+    logged_spec,
+    replay,
+    replayed_outcome,
+)
 from trace_assets.synthesize.validate import (
+    CALIBRATION_OFFSET,
+    ISOLATION_BOUNDS,
     CalibrationReport,
     calibrate,
     calibration_rollout_seed,
     check_spec,
     isolation_matrix,
 )
+
+LOGGED_WEAKER = ("weaker: no expert to ablate; measured instead: the logged agent, replayed from its logs, fails "
+                 "where its labels say the capability was lacking")
 
 Synthesize = Callable[[dict[str, Any], Environment, list[dict[str, Any]]], tuple[dict[str, Any], list[str]]]
 """``(capability, target, failed trajectories) -> (spec, rejection reasons of earlier attempts)``."""
@@ -69,7 +95,7 @@ class CalibrationRollouts:
                                seed=calibration_rollout_seed(self.train_seed, index))
         repeated = [t for t in tasks for _ in range(k)]
         self._log(f"calibration round {index}: {len(repeated)} episodes at T={temperature}, "
-                  f"difficulty {json.dumps(env.spec.get('difficulty', {}))}")
+                  f"difficulty {json.dumps((getattr(env, 'spec', None) or {}).get('difficulty', {}))}")
         rollouts = run_rollouts(env, repeated, self.backend, self.tokenizer, config)
         n = max(len(rollouts), 1)
         self._log(f"calibration round {index}: mean reward {sum(r.result.reward for r in rollouts) / n:.3f}, "
@@ -121,3 +147,66 @@ def build_environment(spec: dict[str, Any], target: Environment, rollouts: Calib
                        max_rounds=syn.max_rounds)
     return BuiltEnvironment(spec=report.spec, calibration=report, isolation=isolation_matrix(report.spec, target),
                             rejected=list(rejected), calibration_rollouts=sum(rollouts.rounds))
+
+
+def _summary(agent: str, results: Sequence[EpisodeResult]) -> dict[str, Any]:
+    """An isolation-matrix row (``validate.isolation_matrix``'s fields) of ``results``."""
+    n = len(results)
+    success = round(sum(r.success for r in results) / n, 4) if n else 0.0
+    failed = [r.reward for r in results if not r.success]
+    return {"agent": agent, "kind": "lacking", "n": n,
+            "mean_reward": round(sum(r.reward for r in results) / n, 4) if n else 0.0, "success": success,
+            "n_acts": n, "success_where_acts": success, "n_failed": len(failed),
+            "reward_when_failed": round(sum(failed) / len(failed), 4) if failed else None}
+
+
+def build_logged_environment(capability: dict[str, Any], trajectories: Iterable[dict[str, Any]], labels: Iterable[Label],
+                             target: Environment, rollouts: CalibrationRollouts, syn: Any) -> BuiltEnvironment:
+    """The logged-decision-point environment of ``capability`` (module docstring) from the train
+    ``trajectories`` and their Step-1 ``labels``; ``rejected`` lists the quarantined logs."""
+    name, labels = capability["name"], list(labels)
+    kept, quarantined = [], []
+    for trajectory in trajectories:
+        if first_lacking_step(labels, trajectory["trajectory_id"], name) is None:
+            continue
+        try:
+            [prefix] = logged_prefixes([trajectory], labels, name, target)
+            replay(target.start(prefix.task), prefix)  # what every episode of it will replay
+            outcome = replayed_outcome(target, trajectory)
+        except PrefixError as exc:
+            quarantined.append(f"quarantined {trajectory['trajectory_id']}: {exc}")
+            continue
+        kept.append((prefix, outcome))
+    if not kept:
+        raise PrefixError(f"{name}: no train trajectory with a LACKING step replays on {target.name!r}"
+                          + (f" ({len(quarantined)} quarantined: {quarantined[0]})" if quarantined else ""))
+    spec = logged_spec(capability, [p for p, _ in kept], target)
+    env = LoggedPrefixEnv.from_spec(spec, target)
+    low, high = syn.band
+    k = syn.calibration_k
+    tasks = env.sample_tasks(syn.calibration_seeds, offset=CALIBRATION_OFFSET)
+    results = list(rollouts(env, tasks, k, syn.temperature))
+    rewards = [r.reward for r in results]
+    groups = [rewards[i * k:(i + 1) * k] for i in range(len(tasks))]
+    mean = sum(rewards) / len(rewards)
+    success = sum(r.success for r in results) / len(results)
+    informative = sum(1 for g in groups if max(g) - min(g) > 1e-9) / len(groups)
+    passed = informative >= syn.min_informative and success <= high
+    reason = ("measured once (no difficulty knobs on logged prefixes): " +
+              ("it gives GRPO a signal" if passed else
+               f"success {success:.2f} > {high}: little left to learn" if success > high else
+               f"only {informative:.2f} < {syn.min_informative} of the groups are informative"))
+    calibration = CalibrationReport(passed=passed, spec=spec, reason=reason, rounds=[{
+        "round": 0, "difficulty": {}, "mean_reward": round(mean, 4), "success_rate": round(success, 4),
+        "informative_share": round(informative, 4), "passed": passed, "n_tasks": len(tasks), "k": k, "direction": "none"}])
+    row = _summary(name, [outcome for _, outcome in kept])
+    problems = [f"the logged agent still succeeds on {row['success']:.2f} > {ISOLATION_BOUNDS[0]} of the logs whose "
+                f"labels say {name} was lacking"] if row["success"] > ISOLATION_BOUNDS[0] else []
+    problems += [f"no {side.replace('_', '-')} prefix among {len(kept)} (log more failures of {name})"
+                 for side in ("train", "held_out") if not env.sides[side]]
+    isolation = {"capability": name, "method": LOGGED_WEAKER, "passed": not problems,
+                 "reason": "; ".join(problems) if problems else f"isolates {name} ({LOGGED_WEAKER})",
+                 "bounds": list(ISOLATION_BOUNDS), "n_tasks": len(kept), "rows": [row],
+                 "sides": {side: len(ix) for side, ix in env.sides.items()}, "quarantined": quarantined}
+    return BuiltEnvironment(spec=spec, calibration=calibration, isolation=isolation, rejected=quarantined,
+                            calibration_rollouts=sum(rollouts.rounds))

@@ -33,12 +33,23 @@ LACKING step and opens an episode of the same task with that prefix:
 
 A task is rebuilt from a trajectory by ``task_of(trajectory)``; the default reads the task id the
 targets write, ``<env>/<family>/<seed>`` (:func:`task_from_id`).
+
+The pipeline stores such an environment as data, like an EnvSpec: :func:`logged_spec` writes the
+document (``kind`` ``"logged_prefixes"``: the capability, the target's name, and every prefix with
+its trajectory id, task id, step, messages and side), and :meth:`LoggedPrefixEnv.from_spec` reads
+it back, checking each field and naming the one that is wrong. The side of a prefix is drawn from
+its trajectory id (:func:`held_out`, a stable hash, ``HELD_OUT_SHARE`` of them): training, the
+router's index and calibration draw train-side prefixes (cycling through them), the held-out
+evaluation (offsets from ``train.heldout.HELD_OUT_OFFSET``) held-out ones, each at most once, so
+no evaluated prefix was trained on and no pair is counted twice.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -48,6 +59,10 @@ from trace_assets.identify.capabilities import Label
 
 LACKING = "LACKING"
 MALFORMED_PREFIX = "Error: malformed tool call: "
+LOGGED_KIND = "logged_prefixes"
+"""``kind`` of a logged-decision-point document (:func:`logged_spec`); an EnvSpec has no ``kind``."""
+HELD_OUT_SHARE = 0.25
+"""Share of the prefixes (by trajectory id) kept for the held-out evaluation."""
 
 
 class PrefixError(ValueError):
@@ -118,8 +133,9 @@ def _arguments(call: dict[str, Any]) -> dict[str, Any]:
     return arguments
 
 
-def replay(episode: Any, prefix: LoggedPrefix) -> None:
-    """Replay the prefix's assistant turns through ``episode`` (see the module docstring)."""
+def replay(episode: Any, prefix: LoggedPrefix, *, to_end: bool = False) -> None:
+    """Replay the prefix's assistant turns through ``episode`` (see the module docstring). With
+    ``to_end``, ``prefix`` is a whole conversation, and the user may end it at its last message."""
     messages = list(prefix.messages)
     opening = episode.initial_messages()
     logged_user = next((m for m in messages if m.get("role") == "user"), None)
@@ -152,9 +168,21 @@ def replay(episode: Any, prefix: LoggedPrefix) -> None:
             malformed += 1
         if not calls and not malformed:
             answer, done = episode.user_reply(str(message.get("content") or ""))
-            if done:
+            if done and not (to_end and i >= len(messages) - 1):
                 raise PrefixError(f"{prefix.trajectory_id}: the user ends the conversation before step {prefix.step}")
-            expect(str(answer), "user")
+            if i < len(messages) or not to_end:
+                expect(str(answer), "user")
+
+
+def replayed_outcome(target: Environment, trajectory: dict[str, Any], *,
+                     task_of: Callable[[dict[str, Any]], Task] | None = None) -> EpisodeResult:
+    """The logged conversation replayed whole through a fresh episode of its task: the logged
+    agent's own outcome, reproduced on ``target`` (:class:`PrefixError` where it diverges)."""
+    task = (task_of or (lambda t: task_from_id(target, t)))(trajectory)
+    messages = tuple(trajectory["messages"])
+    episode = target.start(task)
+    replay(episode, LoggedPrefix(trajectory["trajectory_id"], "", len(messages), task, messages), to_end=True)
+    return episode.result()
 
 
 class LoggedPrefixEpisode:
@@ -191,14 +219,69 @@ class LoggedPrefixEpisode:
         return EpisodeResult(reward=result.reward, success=result.success, info=info)
 
 
+def held_out(trajectory_id: str, share: float = HELD_OUT_SHARE) -> bool:
+    """Whether the prefix of ``trajectory_id`` is kept for the held-out evaluation (a stable hash)."""
+    digest = hashlib.sha256(f"logged/held_out/{trajectory_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < share
+
+
+def logged_spec(capability: dict[str, Any], prefixes: Sequence[LoggedPrefix], target: Environment) -> dict[str, Any]:
+    """The data document of a logged-decision-point environment (module docstring), prefixes by
+    trajectory id. ``capability`` is ``{name, description, failure_modes}``."""
+    return {
+        "kind": LOGGED_KIND, "version": 1,
+        "capability": {k: capability[k] for k in ("name", "description", "failure_modes") if k in capability},
+        "target": {"env": target.name},
+        "prefixes": [{"trajectory_id": p.trajectory_id, "task_id": p.task.task_id, "step": p.step,
+                      "side": "held_out" if held_out(p.trajectory_id) else "train", "messages": list(p.messages)}
+                     for p in sorted(prefixes, key=lambda p: p.trajectory_id)],
+    }
+
+
+def is_logged(spec: dict[str, Any]) -> bool:
+    return isinstance(spec, dict) and spec.get("kind") == LOGGED_KIND
+
+
+_NAME = re.compile(r"^[a-z][a-z0-9_]{1,47}$")
+
+
+def _checked(spec: Any, target: Environment) -> list[dict[str, Any]]:
+    """The prefixes of a logged document, or :class:`PrefixError` naming the field that is wrong."""
+    if not is_logged(spec) or spec.get("version") != 1:
+        raise PrefixError(f"not a logged-prefix document (kind {LOGGED_KIND!r}, version 1)")
+    name = (spec.get("capability") or {}).get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise PrefixError(f"capability.name {name!r} is not a capability name")
+    if (spec.get("target") or {}).get("env") != target.name:
+        raise PrefixError(f"target.env {(spec.get('target') or {}).get('env')!r} is not {target.name!r}")
+    prefixes = spec.get("prefixes")
+    if not isinstance(prefixes, list) or not prefixes:
+        raise PrefixError("prefixes: a non-empty list is required")
+    for i, p in enumerate(prefixes):
+        where = f"prefixes[{i}]"
+        if not isinstance(p, dict):
+            raise PrefixError(f"{where}: an object is required")
+        for key, kind in (("trajectory_id", str), ("task_id", str), ("step", int), ("side", str), ("messages", list)):
+            if not isinstance(p.get(key), kind) or isinstance(p.get(key), bool):
+                raise PrefixError(f"{where}.{key}: a {kind.__name__} is required")
+        if p["side"] not in ("train", "held_out"):
+            raise PrefixError(f"{where}.side {p['side']!r} is not 'train' or 'held_out'")
+        if len(p["messages"]) != p["step"] or not all(isinstance(m, dict) for m in p["messages"]):
+            raise PrefixError(f"{where}.messages: the {p['step']} messages before step {p['step']} are required")
+    return prefixes
+
+
 class LoggedPrefixEnv:
     """An Environment whose episodes start at logged decision points of ``target``.
 
     ``families()`` are the prefixes' task families (target order); ``make_task(family, seed)`` is the
     ``seed``-th prefix of that family (modulo their number), so it is pure; ``sample_tasks(n,
-    offset)`` cycles through all prefixes from ``offset``, as GRPO and the evaluation draw tasks."""
+    offset)`` draws from one side (module docstring): train-side prefixes cycling from ``offset``,
+    held-out ones once each. ``held_out_ids`` names the held-out trajectories (none: every prefix
+    is train-side, and a held-out draw is empty)."""
 
-    def __init__(self, target: Environment, prefixes: Sequence[LoggedPrefix]) -> None:
+    def __init__(self, target: Environment, prefixes: Sequence[LoggedPrefix], *,
+                 held_out_ids: Iterable[str] = (), spec: dict[str, Any] | None = None) -> None:
         if not prefixes:
             raise PrefixError("no logged trajectory has a LACKING step for this capability")
         capabilities = {p.capability for p in prefixes}
@@ -208,6 +291,25 @@ class LoggedPrefixEnv:
         self.capability = capabilities.pop()
         self.name = f"logged_{self.capability}"
         self.prefixes = list(prefixes)
+        held = set(held_out_ids)
+        self.sides = {"held_out": [i for i, p in enumerate(self.prefixes) if p.trajectory_id in held],
+                      "train": [i for i, p in enumerate(self.prefixes) if p.trajectory_id not in held]}
+        self.spec = spec
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any], target: Environment) -> "LoggedPrefixEnv":
+        """The environment of a :func:`logged_spec` document (checked; errors name the field)."""
+        entries = _checked(spec, target)
+        capability = spec["capability"]["name"]
+        prefixes = []
+        for i, p in enumerate(entries):
+            try:
+                task = task_from_id(target, p)
+            except PrefixError as exc:
+                raise PrefixError(f"prefixes[{i}].task_id: {exc}") from None
+            prefixes.append(LoggedPrefix(p["trajectory_id"], capability, p["step"], task, tuple(p["messages"])))
+        return cls(target, prefixes, held_out_ids=[p["trajectory_id"] for p in entries if p["side"] == "held_out"],
+                   spec=spec)
 
     def tool_schemas(self) -> list[dict[str, Any]]:
         return self.target.tool_schemas()
@@ -232,7 +334,14 @@ class LoggedPrefixEnv:
         return self._task(indices[seed % len(indices)])
 
     def sample_tasks(self, n: int, *, offset: int = 0) -> list[Task]:
-        return [self._task((offset + i) % len(self.prefixes)) for i in range(n)]
+        from trace_assets.train.heldout import HELD_OUT_OFFSET
+
+        if offset >= HELD_OUT_OFFSET:
+            return [self._task(i) for i in self.sides["held_out"][offset - HELD_OUT_OFFSET:][:n]]
+        train = self.sides["train"]
+        if not train:
+            raise PrefixError(f"{self.name}: no train-side prefix to draw from")
+        return [self._task(train[(offset + i) % len(train)]) for i in range(n)]
 
     def start(self, task: Task) -> LoggedPrefixEpisode:
         return LoggedPrefixEpisode(self, task, self.prefixes[int(task.meta["prefix_index"])])

@@ -149,7 +149,7 @@ def build_experiment_assets(settings: Settings) -> list:
         from sensors import record_worker
         from trace_assets.experiment.report import ABLATION, GRPO
         from trace_assets.route.evaluation import adapter_rollouts
-        from trace_assets.synthesize import SyntheticEnv
+        from trace_assets.synthesize import environment_of
 
         record_worker(context)
         seed = int(context.partition_key)
@@ -168,7 +168,7 @@ def build_experiment_assets(settings: Settings) -> list:
         if exp.ablation:
             target = get_environment(settings.tasks.env)
             families = sorted({f for n in adapters
-                               for f in SyntheticEnv(json.loads(open(envs[n]["spec_path"]).read()), target).families()})
+                               for f in environment_of(json.loads(open(envs[n]["spec_path"]).read()), target).families()})
             value[ABLATION] = train_grpo_on_target(
                 context, seeded, models=models, mlflow=mlflow, base_agent=base_agent,
                 tasks=[t for t in pool if t.family in families], budget=budget, trace_adapters=sorted(adapters),

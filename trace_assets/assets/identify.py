@@ -238,10 +238,12 @@ def build_identify_assets(settings: Settings) -> list:
             examples = known[name].example_trajectory_ids
         else:
             raise Failure(f"capability {name!r} is in neither C* nor the current dictionary; its history is kept")
-        # Example ids travel with the spec for Step 2 but stay out of the data version: new
-        # examples of the same capability must not make its environment or adapter stale.
+        # Example ids and the dictionary version (its labels' key) travel with the spec for Step 2 but
+        # stay out of the data version: new examples of the same capability must not make its
+        # environment or adapter stale.
         return Output(
-            {**spec, "example_trajectory_ids": examples, "selected": name in chosen},
+            {**spec, "example_trajectory_ids": examples, "selected": name in chosen,
+             "dictionary_version": capability_dictionary["version"]},
             data_version=DataVersion(stable_hash(spec)),
             metadata={
                 "selected": name in chosen, "spec_hash": stable_hash(spec),

@@ -26,7 +26,6 @@ from resources.models import ModelResource
 from resources.store import TraceStore
 from trace_assets import paths
 from trace_assets.envs import get_environment
-from trace_assets.envs.base import target_hook
 from trace_assets.envs.splits import tasks_of
 from trace_assets.paths import folder_checksum
 from trace_assets.figures import png_metadata, to_markdown
@@ -249,7 +248,7 @@ def build_router(context: AssetExecutionContext, settings: Settings, *, models: 
     the retrieval index (its embeddings cached by content) and the router selection on train-side
     held-out prompts."""
     from trace_assets.route.router import example_text, first_user_prompt
-    from trace_assets.synthesize import SyntheticEnv
+    from trace_assets.synthesize import environment_of, example_conversations
 
     route_cfg = settings.route
     adapters = routable_adapters(trained, include_unpromoted=route_cfg.include_unpromoted)
@@ -260,10 +259,10 @@ def build_router(context: AssetExecutionContext, settings: Settings, *, models: 
     target = get_environment(settings.tasks.env)
     candidates, index = [], {}
     for name in adapters:
-        env = SyntheticEnv(json.loads(open(synthetic_env[name]["spec_path"]).read()), target)
+        env = environment_of(json.loads(open(synthetic_env[name]["spec_path"]).read()), target)
         tasks = env.sample_tasks(route_cfg.index_prompts, offset=route_cfg.index_offset)
         index[name] = [first_user_prompt(env, t) for t in tasks]
-        messages, result = target_hook(target, "expert")(tasks[0], via=env)  # one successful trajectory of its environment
+        [messages] = example_conversations(env, tasks[:1])  # one conversation of its environment
         description = next(c["description"] for c in selected_capabilities["capabilities"] if c["name"] == name)
         candidates.append({"name": name, "description": description, "example": example_text(messages)})
     wanted = set(trajectory_splits["d_plus"])
@@ -316,12 +315,12 @@ def _router_selection(context, settings, models, base_agent, value, target, adap
     from trace_assets.route.evaluation import build_routers
     from trace_assets.route.report import routing_accuracy
     from trace_assets.route.router import first_user_prompt
-    from trace_assets.synthesize import SyntheticEnv
+    from trace_assets.synthesize import environment_of
 
     route_cfg = settings.route
     prompts, labels = [], []
     for name in adapters:
-        env = SyntheticEnv(json.loads(open(synthetic_env[name]["spec_path"]).read()), target)
+        env = environment_of(json.loads(open(synthetic_env[name]["spec_path"]).read()), target)
         for task in env.sample_tasks(route_cfg.index_prompts, offset=route_cfg.index_offset + ROUTER_VALIDATION_SHIFT):
             prompts.append(first_user_prompt(env, task))
             labels.append(name)

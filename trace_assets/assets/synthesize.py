@@ -10,6 +10,12 @@ the partition's previous materialization intact. Specs are stored content-addres
 ``<data>/envs/<capability>/<spec_hash>.json`` and never overwritten. Every materialization logs its
 isolation matrix (table, heatmap PNG, JSON), calibration rounds and spec to MLflow, in a run of its
 own (``MlflowRegistry.log_environment``; the run id is in the metadata).
+
+A target without an expert (a user environment) gets a logged-decision-point environment instead
+(``synthesize.build.build_logged_environment``): its episodes open at the first LACKING step of the
+capability's labelled train trajectories (the labels of the dictionary version that
+``capability_spec`` carries), with one measured calibration round and the weaker isolation
+measure; logs that do not replay are quarantined and listed in ``rejected_specs``.
 """
 
 import json
@@ -81,21 +87,33 @@ def make_synthetic_env(context: AssetExecutionContext, settings: Settings, name:
     calls it once per training seed."""
     from trace_assets.agent.model import load_tokenizer
     from trace_assets.llm_client import LLMError
-    from trace_assets.synthesize import SyntheticEnv, isolation_heatmap, isolation_markdown, spec_hash
-    from trace_assets.synthesize.build import CalibrationRollouts, SpecRejected, build_environment, checked_spec
+    from trace_assets.synthesize import PrefixError, environment_of, isolation_heatmap, isolation_markdown, spec_hash
+    from trace_assets.synthesize.build import (CalibrationRollouts, SpecRejected, build_environment,
+                                               build_logged_environment, checked_spec)
 
     syn = settings.synthesis
     target = get_environment(settings.tasks.env)
-    wanted = set(capability_spec.get("example_trajectory_ids", []))
-    failed = [t for t in store.trajectories(split="train") if t["trajectory_id"] in wanted]
     capability = {k: capability_spec[k] for k in ("name", "description", "failure_modes")}
-    try:
-        spec, rejected = checked_spec(capability, target, synthesizer.synthesize, failed)
-    except LLMError as exc:
-        raise Failure(f"synthetic_env[{name}]: no valid spec; the previous materialization is kept. {exc}") from exc
-    except SpecRejected as exc:
-        raise Failure(f"synthetic_env[{name}]: spec rejected; the previous materialization is kept: "
-                      f"{exc.problems[:5]}") from exc
+    logged = not callable(getattr(target, "expert", None))  # a user environment: decision points from its logs
+    if logged:
+        version = capability_spec.get("dictionary_version")
+        if not version:
+            raise Failure(f"synthetic_env[{name}]: capability_spec carries no dictionary version (materialized "
+                          "before logged decision points); re-materialize capability_spec")
+        labels = store.lacking_steps(version, name)
+        logs = [t for t in store.trajectories_by_id(sorted({l.trajectory_id for l in labels})) if t["split"] == "train"]
+        context.log.info(f"{target.name!r} has no expert: decision points from {len(logs)} logged train trajectories "
+                         f"with a LACKING step for {name}")
+    else:
+        wanted = set(capability_spec.get("example_trajectory_ids", []))
+        failed = [t for t in store.trajectories(split="train") if t["trajectory_id"] in wanted]
+        try:
+            spec, rejected = checked_spec(capability, target, synthesizer.synthesize, failed)
+        except LLMError as exc:
+            raise Failure(f"synthetic_env[{name}]: no valid spec; the previous materialization is kept. {exc}") from exc
+        except SpecRejected as exc:
+            raise Failure(f"synthetic_env[{name}]: spec rejected; the previous materialization is kept: "
+                          f"{exc.problems[:5]}") from exc
 
     tokenizer = load_tokenizer(base_agent["path"])
     backend = models.backend_for(base_agent["path"])
@@ -104,7 +122,17 @@ def make_synthetic_env(context: AssetExecutionContext, settings: Settings, name:
                                      max_new_tokens=settings.rollout.max_new_tokens,
                                      max_context_tokens=settings.rollout.max_context_tokens, train_seed=train_seed,
                                      log=context.log.info)
-    built = build_environment(spec, target, rollout_fn, syn, rejected=rejected)
+    if logged:
+        try:
+            built = build_logged_environment(capability, logs, labels, target, rollout_fn, syn)
+        except PrefixError as exc:
+            raise Failure(f"synthetic_env[{name}]: no logged decision point; the previous materialization is kept. "
+                          f"{exc}") from exc
+        rejected = built.rejected
+        for line in rejected:
+            context.log.warning(line)
+    else:
+        built = build_environment(spec, target, rollout_fn, syn, rejected=rejected)
     report, iso = built.calibration, built.isolation
     final = report.spec
     digest = spec_hash(final)
@@ -113,7 +141,7 @@ def make_synthetic_env(context: AssetExecutionContext, settings: Settings, name:
         paths.atomic_write(spec_path, json.dumps(final, indent=2, sort_keys=True))
     rollouts = rollout_fn.last
     rewards = [r.result.reward for r in rollouts]
-    env = SyntheticEnv(final, target)
+    env = environment_of(final, target)
     sample = max(rollouts, key=lambda r: r.result.reward, default=None)
     n_calibration = built.calibration_rollouts
     value = {
@@ -122,7 +150,8 @@ def make_synthetic_env(context: AssetExecutionContext, settings: Settings, name:
         "calibration_rollouts": n_calibration,
     }
     metadata: dict[str, Any] = {
-        "spec_hash": digest, "spec_path": MetadataValue.path(str(spec_path)), "synthesizer": synthesizer.kind,
+        "spec_hash": digest, "spec_path": MetadataValue.path(str(spec_path)),
+        "synthesizer": "logged decision points" if logged else synthesizer.kind,
         "calibration_rounds": len(report.rounds), "calibrated": report.passed, "calibration_rollouts": n_calibration,
         "calibration": MetadataValue.md(to_markdown(__import__("polars").DataFrame(
             [{k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in r.items()} for r in report.rounds]))),

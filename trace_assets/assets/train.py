@@ -20,7 +20,6 @@ from trace_assets.paths import folder_checksum
 from trace_assets.assets.identify import capability_partitions, per_capability_automation
 from trace_assets.identify.capabilities import checked_partition_key
 from trace_assets.envs import get_environment
-from trace_assets.envs.base import target_hook
 from trace_assets.figures import png_metadata, to_markdown
 from trace_assets.hashing import stable_hash
 from trace_assets.settings import Settings
@@ -174,7 +173,7 @@ def train_capability_adapter(context: AssetExecutionContext, settings: Settings,
     from trace_assets.agent import fidelity
     from trace_assets.agent.identity import generation_identity, planned_generation
     from trace_assets.agent.lora import null_adapter
-    from trace_assets.synthesize import SyntheticEnv
+    from trace_assets.synthesize import environment_of, example_conversations
     from trace_assets.train.heldout import EvalConfig, compare_base_and_adapter, promotion
     from trace_assets.train.runs import train_or_reuse
 
@@ -195,7 +194,7 @@ def train_capability_adapter(context: AssetExecutionContext, settings: Settings,
                       f"({isolation.get('reason')}); not training on it.")
     spec = json.loads(open(synthetic_env["spec_path"]).read())
     target = get_environment(settings.tasks.env)
-    env = SyntheticEnv(spec, target)
+    env = environment_of(spec, target)
     key = stable_hash([synthetic_env["spec_hash"], base_agent.get("checksum") or base_agent["path"], grpo_config.identity()])
     out_dir = paths.sub("adapters", name, key)
     evaluation_key = stable_hash([generation, train_cfg.eval_tasks, train_cfg.promotion_alpha, EVALUATION_VERSION])
@@ -216,8 +215,7 @@ def train_capability_adapter(context: AssetExecutionContext, settings: Settings,
         # The path every evaluation of this adapter goes through: is its effect intact there? If a
         # faster dtype's rounding loses it, the evaluation takes the exact (fp32) path instead.
         probe_tasks = env.sample_tasks(2, offset=grpo_config.seed_offset)  # training seeds: train side
-        expert = target_hook(target, "expert")
-        probe = fidelity.make_probe(tokenizer, [expert(t, via=env)[0] for t in probe_tasks], env.tool_schemas())
+        probe = fidelity.make_probe(tokenizer, example_conversations(env, probe_tasks), env.tool_schemas())
         null_dir = null_adapter(result.adapter_dir, out_dir / "null", seed=grpo_config.seed)
         try:
             eval_models, policy_backends, fid, null_fid = fidelity_checked(

@@ -37,9 +37,20 @@ def environment_of(spec: dict, target) -> "SyntheticEnv | LoggedPrefixEnv":
     return LoggedPrefixEnv.from_spec(spec, target) if is_logged(spec) else SyntheticEnv(spec, target)
 
 
+def example_conversations(env: "SyntheticEnv | LoggedPrefixEnv", tasks: list) -> list[list[dict]]:
+    """One conversation per task of ``env`` that shows its capability at work: the target expert's,
+    played through the environment, or, for a logged environment (no expert), the logged prefix."""
+    if isinstance(env, LoggedPrefixEnv):
+        return [env.start(task).initial_messages() for task in tasks]
+    from trace_assets.envs.base import target_hook
+
+    expert = target_hook(env.target, "expert")
+    return [expert(task, via=env)[0] for task in tasks]
+
+
 __all__ = [
     "CALIBRATION_OFFSET", "CalibrationReport", "LoggedPrefixEnv", "PrefixError", "SpecError", "SynthesisError",
-    "SyntheticEnv", "SyntheticEpisode", "calibrate", "environment_of", "is_logged", "logged_spec", "calibration_rollout_seed", "check_spec", "envspec_schema", "fidelity",
+    "SyntheticEnv", "SyntheticEpisode", "calibrate", "environment_of", "example_conversations", "is_logged", "logged_spec", "calibration_rollout_seed", "check_spec", "envspec_schema", "fidelity",
     "gold_solvable", "isolation_heatmap", "isolation_markdown", "isolation_matrix", "llm_spec", "load_spec", "logged_prefixes",
     "schema_errors", "spec_hash", "template_spec", "validate_spec",
 ]

@@ -49,13 +49,12 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from trace_assets.envs.base import Environment, EpisodeResult, Message, Task
-from trace_assets.identify.capabilities import Label
+from trace_assets.identify.capabilities import NAME_PATTERN, Label
 
 LACKING = "LACKING"
 MALFORMED_PREFIX = "Error: malformed tool call: "
@@ -242,15 +241,12 @@ def is_logged(spec: dict[str, Any]) -> bool:
     return isinstance(spec, dict) and spec.get("kind") == LOGGED_KIND
 
 
-_NAME = re.compile(r"^[a-z][a-z0-9_]{1,47}$")
-
-
 def _checked(spec: Any, target: Environment) -> list[dict[str, Any]]:
     """The prefixes of a logged document, or :class:`PrefixError` naming the field that is wrong."""
     if not is_logged(spec) or spec.get("version") != 1:
         raise PrefixError(f"not a logged-prefix document (kind {LOGGED_KIND!r}, version 1)")
     name = (spec.get("capability") or {}).get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not NAME_PATTERN.match(name):
         raise PrefixError(f"capability.name {name!r} is not a capability name")
     if (spec.get("target") or {}).get("env") != target.name:
         raise PrefixError(f"target.env {(spec.get('target') or {}).get('env')!r} is not {target.name!r}")

@@ -140,53 +140,79 @@ def _calls(messages: list[dict[str, Any]]) -> list[tuple[int, str | None, Any, s
     return out
 
 
-def _turns(messages: list[dict[str, Any]]) -> list[int]:
-    return [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+@dataclass(frozen=True)
+class Evidence:
+    """What a step locator reads: the trajectory's messages, its ``info``, every call
+    (:func:`_calls`) and the indices of the assistant turns."""
+
+    messages: list[dict[str, Any]]
+    info: dict[str, Any]
+    calls: list[tuple[int, str | None, Any, str]]
+    turns: list[int]
+
+    def observed(self, text: str) -> int | None:
+        """The turn of the first call whose observation is ``text``."""
+        return next((turn for turn, _, _, observation in self.calls if observation == text), None)
+
+    def called(self, tool: str, ok: bool, arguments: Any = None) -> int | None:
+        """The turn of the first call of ``tool`` that succeeded (``ok``) or failed, with ``arguments`` if given."""
+        return next((turn for turn, t, a, observation in self.calls if t == tool and observation.startswith("Error") != ok
+                     and (arguments is None or a == arguments)), None)
+
+
+def _ended(e: Evidence) -> int | None:
+    return e.turns[-1]  # an omission: the turn where the agent ended instead
+
+
+def _step_authenticate(e: Evidence) -> int | None:
+    blocked = _violations(e.info, "auth_before_action")
+    return e.called(blocked[0], ok=False) if blocked else e.turns[0]
+
+
+def _step_confirm(e: Evidence) -> int | None:
+    unconfirmed = _violations(e.info, "confirm_before_write")
+    if not unconfirmed:
+        return _ended(e)  # the write was due and never proposed
+    tool, _, arguments = unconfirmed[0].partition(" ")
+    try:
+        return e.called(tool, ok=True, arguments=json.loads(arguments))
+    except json.JSONDecodeError:
+        return e.called(tool, ok=True)
+
+
+def _step_ground(e: Evidence) -> int | None:
+    return e.observed(_errors(e.info, GROUNDING_ERRORS)[0])
+
+
+def _step_communicate(e: Evidence) -> int | None:
+    """The first reply after the result that held an untold detail."""
+    missing = [m.lower() for m in e.info.get("missing_info", [])]
+    seen = next((j for j, m in enumerate(e.messages) if m.get("role") == "tool"
+                 and any(x in str(m.get("content", "")).lower() for x in missing)), None)
+    if seen is None:
+        return _ended(e)
+    return next((i for i in e.turns if i > seen and not e.messages[i].get("tool_calls")), e.turns[-1])
+
+
+def _step_refuse(e: Evidence) -> int | None:
+    refused = _violations(e.info, "status") + _violations(e.info, "refund_method") + _violations(e.info, "exchange")
+    if not refused:
+        return None  # a write none was allowed; which call wrote is not recorded
+    tool, _, message = refused[0].partition(": ")
+    return e.observed(f"Error: {message}") if tool else None
+
+
+def _step_well_formed(e: Evidence) -> int | None:
+    return e.observed(_errors(e.info, FORMAT_ERRORS)[0])
 
 
 def lacking_step(name: str, trajectory: dict[str, Any]) -> int | None:
     """The step of rule ``name``'s LACKING verdict on ``trajectory`` (module docstring), or None."""
-    messages, info = trajectory.get("messages") or [], trajectory["info"]
-    calls, turns = _calls(messages), _turns(messages)
+    messages = trajectory.get("messages") or []
+    turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
     if not turns:
         return None
-
-    def observed(text: str) -> int | None:
-        return next((turn for turn, _, _, observation in calls if observation == text), None)
-
-    def called(tool: str, ok: bool, arguments: Any = None) -> int | None:
-        return next((turn for turn, t, a, observation in calls if t == tool and observation.startswith("Error") != ok
-                     and (arguments is None or a == arguments)), None)
-
-    if name == "authenticate_before_acting":
-        blocked = _violations(info, "auth_before_action")
-        return called(blocked[0], ok=False) if blocked else turns[0]
-    if name == "confirm_before_writing":
-        unconfirmed = _violations(info, "confirm_before_write")
-        if not unconfirmed:
-            return turns[-1]  # the write was due and never proposed
-        tool, _, arguments = unconfirmed[0].partition(" ")
-        try:
-            return called(tool, ok=True, arguments=json.loads(arguments))
-        except json.JSONDecodeError:
-            return called(tool, ok=True)
-    if name == "ground_arguments":
-        return observed(_errors(info, GROUNDING_ERRORS)[0])
-    if name == "well_formed_tool_calls":
-        return observed(_errors(info, FORMAT_ERRORS)[0])
-    if name == "refuse_forbidden_actions":
-        refused = _violations(info, "status") + _violations(info, "refund_method") + _violations(info, "exchange")
-        if not refused:
-            return None  # a write none was allowed; which call wrote is not recorded
-        tool, _, message = refused[0].partition(": ")
-        return observed(f"Error: {message}") if tool else None
-    if name == "communicate_results":  # the first reply after the result that held an untold detail
-        missing = [m.lower() for m in info.get("missing_info", [])]
-        seen = next((j for j, m in enumerate(messages) if m.get("role") == "tool"
-                     and any(x in str(m.get("content", "")).lower() for x in missing)), None)
-        if seen is not None:
-            return next((i for i in turns if i > seen and not messages[i].get("tool_calls")), turns[-1])
-    return turns[-1]  # execute_requested_action, complete_multistep_transactions: omissions
+    return RULES[name].step(Evidence(messages, trajectory["info"], _calls(messages), turns))
 
 
 @dataclass(frozen=True)
@@ -194,17 +220,19 @@ class Rule:
     name: str
     description: str
     judge: Callable[[dict[str, Any]], Verdict]
+    step: Callable[[Evidence], int | None]
+    """Where a LACKING verdict's evidence is (:func:`lacking_step`)."""
 
 
 CATALOGUE: tuple[Rule, ...] = (
-    Rule("authenticate_before_acting", "Verify the user's identity with an authentication tool before reading or changing any account data. The policy requires it and the tools refuse account actions until it is done.", authenticate_before_acting),
-    Rule("confirm_before_writing", "Before any write, state the action and its details and obtain an explicit yes from the user. A 'no' means the write must not happen.", confirm_before_writing),
-    Rule("ground_arguments", "Use ids, items and payment methods exactly as retrieved from earlier tool results instead of guessing them. Wrong arguments make tools fail or change the wrong record.", ground_arguments),
-    Rule("complete_multistep_transactions", "Carry a request that needs several dependent writes through to the last write. Each write must use the results of the previous steps.", complete_multistep_transactions),
-    Rule("execute_requested_action", "Once the user has confirmed, actually perform the requested write with the right tool instead of only talking about it.", execute_requested_action),
-    Rule("communicate_results", "Tell the user the concrete outcome: amounts, statuses and other details the task requires. An action the user never hears about does not solve the task.", communicate_results),
-    Rule("refuse_forbidden_actions", "Recognise requests the policy forbids (wrong order status, wrong refund method) and refuse with the reason instead of attempting them.", refuse_forbidden_actions),
-    Rule("well_formed_tool_calls", "Emit tool calls as valid JSON with a known tool name and exactly the schema's arguments. Malformed calls waste turns and derail the conversation.", well_formed_tool_calls),
+    Rule("authenticate_before_acting", "Verify the user's identity with an authentication tool before reading or changing any account data. The policy requires it and the tools refuse account actions until it is done.", authenticate_before_acting, _step_authenticate),
+    Rule("confirm_before_writing", "Before any write, state the action and its details and obtain an explicit yes from the user. A 'no' means the write must not happen.", confirm_before_writing, _step_confirm),
+    Rule("ground_arguments", "Use ids, items and payment methods exactly as retrieved from earlier tool results instead of guessing them. Wrong arguments make tools fail or change the wrong record.", ground_arguments, _step_ground),
+    Rule("complete_multistep_transactions", "Carry a request that needs several dependent writes through to the last write. Each write must use the results of the previous steps.", complete_multistep_transactions, _ended),
+    Rule("execute_requested_action", "Once the user has confirmed, actually perform the requested write with the right tool instead of only talking about it.", execute_requested_action, _ended),
+    Rule("communicate_results", "Tell the user the concrete outcome: amounts, statuses and other details the task requires. An action the user never hears about does not solve the task.", communicate_results, _step_communicate),
+    Rule("refuse_forbidden_actions", "Recognise requests the policy forbids (wrong order status, wrong refund method) and refuse with the reason instead of attempting them.", refuse_forbidden_actions, _step_refuse),
+    Rule("well_formed_tool_calls", "Emit tool calls as valid JSON with a known tool name and exactly the schema's arguments. Malformed calls waste turns and derail the conversation.", well_formed_tool_calls, _step_well_formed),
 )
 RULES = {rule.name: rule for rule in CATALOGUE}
 

@@ -37,10 +37,8 @@ from trace_assets.synthesize.env import SyntheticEnv
 from trace_assets.synthesize.prefix import (
     LoggedPrefixEnv,
     PrefixError,
-    first_lacking_step,
     logged_prefixes,
     logged_spec,
-    replay,
     replayed_outcome,
 )
 from trace_assets.synthesize.validate import (
@@ -51,6 +49,8 @@ from trace_assets.synthesize.validate import (
     calibration_rollout_seed,
     check_spec,
     isolation_matrix,
+    matrix_row,
+    round_figures,
 )
 
 LOGGED_WEAKER = ("weaker: no expert to ablate; measured instead: the logged agent, replayed from its logs, fails "
@@ -149,48 +149,34 @@ def build_environment(spec: dict[str, Any], target: Environment, rollouts: Calib
                             rejected=list(rejected), calibration_rollouts=sum(rollouts.rounds))
 
 
-def _summary(agent: str, results: Sequence[EpisodeResult]) -> dict[str, Any]:
-    """An isolation-matrix row (``validate.isolation_matrix``'s fields) of ``results``."""
-    n = len(results)
-    success = round(sum(r.success for r in results) / n, 4) if n else 0.0
-    failed = [r.reward for r in results if not r.success]
-    return {"agent": agent, "kind": "lacking", "n": n,
-            "mean_reward": round(sum(r.reward for r in results) / n, 4) if n else 0.0, "success": success,
-            "n_acts": n, "success_where_acts": success, "n_failed": len(failed),
-            "reward_when_failed": round(sum(failed) / len(failed), 4) if failed else None}
-
-
 def build_logged_environment(capability: dict[str, Any], trajectories: Iterable[dict[str, Any]], labels: Iterable[Label],
                              target: Environment, rollouts: CalibrationRollouts, syn: Any) -> BuiltEnvironment:
     """The logged-decision-point environment of ``capability`` (module docstring) from the train
     ``trajectories`` and their Step-1 ``labels``; ``rejected`` lists the quarantined logs."""
-    name, labels = capability["name"], list(labels)
+    name = capability["name"]
+    by_trajectory: dict[str, list[Label]] = {}
+    for label in labels:
+        by_trajectory.setdefault(label.trajectory_id, []).append(label)
     kept, quarantined = [], []
     for trajectory in trajectories:
-        if first_lacking_step(labels, trajectory["trajectory_id"], name) is None:
-            continue
         try:
-            [prefix] = logged_prefixes([trajectory], labels, name, target)
-            replay(target.start(prefix.task), prefix)  # what every episode of it will replay
-            outcome = replayed_outcome(target, trajectory)
+            prefixes = logged_prefixes([trajectory], by_trajectory.get(trajectory["trajectory_id"], []), name, target)
+            if not prefixes:
+                continue
+            outcome = replayed_outcome(target, trajectory)  # the whole log, so its prefix replays too
         except PrefixError as exc:
             quarantined.append(f"quarantined {trajectory['trajectory_id']}: {exc}")
             continue
-        kept.append((prefix, outcome))
+        kept.append((prefixes[0], outcome))
     if not kept:
         raise PrefixError(f"{name}: no train trajectory with a LACKING step replays on {target.name!r}"
                           + (f" ({len(quarantined)} quarantined: {quarantined[0]})" if quarantined else ""))
     spec = logged_spec(capability, [p for p, _ in kept], target)
     env = LoggedPrefixEnv.from_spec(spec, target)
-    low, high = syn.band
+    high = syn.band[1]
     k = syn.calibration_k
     tasks = env.sample_tasks(syn.calibration_seeds, offset=CALIBRATION_OFFSET)
-    results = list(rollouts(env, tasks, k, syn.temperature))
-    rewards = [r.reward for r in results]
-    groups = [rewards[i * k:(i + 1) * k] for i in range(len(tasks))]
-    mean = sum(rewards) / len(rewards)
-    success = sum(r.success for r in results) / len(results)
-    informative = sum(1 for g in groups if max(g) - min(g) > 1e-9) / len(groups)
+    mean, success, informative = round_figures(list(rollouts(env, tasks, k, syn.temperature)), k)
     passed = informative >= syn.min_informative and success <= high
     reason = ("measured once (no difficulty knobs on logged prefixes): " +
               ("it gives GRPO a signal" if passed else
@@ -199,7 +185,8 @@ def build_logged_environment(capability: dict[str, Any], trajectories: Iterable[
     calibration = CalibrationReport(passed=passed, spec=spec, reason=reason, rounds=[{
         "round": 0, "difficulty": {}, "mean_reward": round(mean, 4), "success_rate": round(success, 4),
         "informative_share": round(informative, 4), "passed": passed, "n_tasks": len(tasks), "k": k, "direction": "none"}])
-    row = _summary(name, [outcome for _, outcome in kept])
+    outcomes = [outcome for _, outcome in kept]
+    row = matrix_row(name, "lacking", outcomes, outcomes)  # the logged agent differs from no expert: it acts everywhere
     problems = [f"the logged agent still succeeds on {row['success']:.2f} > {ISOLATION_BOUNDS[0]} of the logs whose "
                 f"labels say {name} was lacking"] if row["success"] > ISOLATION_BOUNDS[0] else []
     problems += [f"no {side.replace('_', '-')} prefix among {len(kept)} (log more failures of {name})"

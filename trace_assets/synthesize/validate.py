@@ -115,6 +115,17 @@ def _reward(result: Any) -> tuple[float, bool]:
     return float(result.reward), bool(result.success)
 
 
+def round_figures(results: Sequence[Any], k: int) -> tuple[float, float, float]:
+    """``(mean reward, success rate, informative share)`` of a calibration round: ``results`` are
+    groups of ``k`` episodes of one task each, in order; a group is informative when its rewards
+    differ (GRPO's advantage is then not zero)."""
+    scored = [_reward(r) for r in results]
+    rewards = [r for r, _ in scored]
+    groups = [rewards[i:i + k] for i in range(0, len(rewards), k)]
+    return (sum(rewards) / len(rewards), sum(s for _, s in scored) / len(scored),
+            sum(1 for g in groups if max(g) - min(g) > 1e-9) / len(groups))
+
+
 def _step(spec: dict[str, Any], direction: str, fixed: frozenset[str] = frozenset()) -> dict[str, Any] | None:
     """``spec`` one notch easier or harder on every free knob; None when no knob can move. ``fixed``
     knobs (those the target does not interpret) never move."""
@@ -179,12 +190,7 @@ def calibrate(spec: dict[str, Any], target_env: Environment, rollout_fn: Rollout
         results = list(rollout_fn(env, tasks, k, temperature))
         if len(results) != len(tasks) * k:
             raise ValueError(f"rollout_fn returned {len(results)} results for {len(tasks)} tasks x k={k}")
-        scored = [_reward(r) for r in results]
-        rewards = [r for r, _ in scored]
-        groups = [rewards[i * k:(i + 1) * k] for i in range(len(tasks))]
-        mean = sum(rewards) / len(rewards)
-        success = sum(s for _, s in scored) / len(scored)
-        informative = sum(1 for g in groups if max(g) - min(g) > 1e-9) / len(groups)
+        mean, success, informative = round_figures(results, k)
         in_band = low <= mean <= high and low <= success <= high
         passed = in_band and informative >= min_informative
         if passed:
@@ -254,10 +260,9 @@ def _play_all(env: SyntheticEnv, tasks: list[Task], **how: Any) -> list[tuple[li
     return [expert(task, via=env, **how) for task in tasks]
 
 
-def _row(name: str, kind: str, played: list[tuple[list[dict[str, Any]], Any]], full: list[tuple[list[dict[str, Any]], Any]]) -> dict[str, Any]:
-    acts = [messages != full_messages for (messages, _), (full_messages, _) in zip(played, full)]
-    results = [result for _, result in played]
-    acting = [r for r, a in zip(results, acts) if a]
+def matrix_row(name: str, kind: str, results: Sequence[Any], acting: Sequence[Any]) -> dict[str, Any]:
+    """One row of the isolation matrix (fields in :func:`isolation_matrix`) from an agent's episode
+    ``results`` and those of them where it ``acting`` differently from the full expert."""
     failed = [r.reward for r in results if not r.success]
     return {
         "agent": name, "kind": kind, "n": len(results),
@@ -267,6 +272,12 @@ def _row(name: str, kind: str, played: list[tuple[list[dict[str, Any]], Any]], f
         "success_where_acts": round(sum(r.success for r in acting) / len(acting), 4) if acting else None,
         "n_failed": len(failed), "reward_when_failed": round(sum(failed) / len(failed), 4) if failed else None,
     }
+
+
+def _row(name: str, kind: str, played: list[tuple[list[dict[str, Any]], Any]], full: list[tuple[list[dict[str, Any]], Any]]) -> dict[str, Any]:
+    acts = [messages != full_messages for (messages, _), (full_messages, _) in zip(played, full)]
+    results = [result for _, result in played]
+    return matrix_row(name, kind, results, [r for r, a in zip(results, acts) if a])
 
 
 def isolation_matrix(spec: dict[str, Any], target_env: Environment, *, seeds: int | Iterable[int] = 3,

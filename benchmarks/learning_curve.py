@@ -140,18 +140,6 @@ def synthetic_environment(args: argparse.Namespace, settings: Any, target: Any, 
     return SyntheticEnv(spec, target), info
 
 
-def lacking_families(capability: str, train_tasks: Sequence[Any]) -> list[str]:
-    """The families of ``train_tasks`` whose stored trajectories (the data folder's DuckDB, any
-    agent, any dictionary version) the Step-1 labels call ``capability`` LACKING at least once."""
-    from resources.store import TraceStore
-
-    family = {t.task_id: t.family for t in train_tasks}
-    rows = TraceStore().query(
-        "SELECT DISTINCT t.task_id FROM labels l JOIN trajectories t USING (trajectory_id) "
-        "WHERE l.capability = ? AND l.label = 'LACKING' AND t.split = 'train'", [capability])
-    return sorted({family[i] for i in rows["task_id"].to_list() if i in family})
-
-
 def target_test(model: Any, tokenizer: Any, pool: Any, eval_config: Any, *, out: Path, seed: int, base: bool,
                 backend_factory: Any, log: Any) -> dict[str, Any]:
     """The trained adapter of ``model`` (active), its null control and, when ``base``, the base
@@ -426,10 +414,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     target_eval, target_info = None, None
     if args.target_test:
         from benchmarks.target_success import task_list
+        from resources.store import TraceStore
         from trace_assets.envs.splits import TaskPoolEnv
 
         if families is None:
-            families = lacking_families(env.capability, task_list(target, settings, "train"))
+            families = TraceStore().lacking_families(env.capability, task_list(target, settings, "train"))
             if not families:
                 raise SystemExit(f"the store {paths.duckdb_path()} has no train-side trajectory labelled "
                                  f"{env.capability} LACKING: run Step 1 there, or pass --families")

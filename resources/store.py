@@ -193,6 +193,18 @@ class TraceStore(ConfigurableResource):
         )
         return [Label(**row) for row in frame.to_dicts()]
 
+    def lacking_families(self, capability: str, tasks: Sequence[Any], *, version: str | None = None) -> list[str]:
+        """The families of ``tasks`` (objects with ``task_id`` and ``family``) that hold a stored
+        train-split trajectory the labels of dictionary ``version`` (None: any) call ``capability``
+        LACKING at least once: where Step 1 found the capability missing, hence where its adapter
+        should help on the test split."""
+        family = {t.task_id: t.family for t in tasks}
+        frame = self.query(
+            "SELECT DISTINCT t.task_id FROM labels l JOIN trajectories t USING (trajectory_id) "
+            "WHERE l.capability = ? AND l.label = 'LACKING' AND t.split = 'train' "
+            "AND (?::VARCHAR IS NULL OR l.dictionary_version = ?)", [capability, version, version])
+        return sorted({family[i] for i in frame["task_id"].to_list() if i in family})
+
     def insert_label_errors(self, rows: Sequence[tuple], *, analyst: str, version: str) -> None:
         """Record ``(trajectory_id, capability, run, error)`` rows of failed labelling attempts."""
         if not rows:

@@ -129,6 +129,30 @@ def test_the_report_carries_intervals_contrasts_and_what_was_spent():
         build_report({"base": [[1]]}, seeds=[0, 1], task_ids=["t"], families=["f"])
 
 
+def test_the_lacking_rows_repeat_the_adapter_contrasts_on_its_lacking_families_alone():
+    """An adapter that helps only where its capability was LACKING: the whole-split contrast dilutes
+    the gain, the LACKING-family rows show it undiluted, on exactly those tasks."""
+    families = ["cancel", "modify", "status"] * 6
+    base = [[False] * 18] * 3
+    adapter = [[f == "cancel" for f in families]] * 3  # solves every cancel task, nothing else
+    outcomes = {"base": base, "confirm_before_writing": adapter, "null:confirm_before_writing": base}
+    report = build_report(outcomes, seeds=[0, 1, 2], task_ids=[f"t{i}" for i in range(18)], families=families,
+                          samples=500, lacking={"confirm_before_writing": ["cancel", "not_in_the_test_split"]})
+    rows = {(r["a"], r["b"]): r for r in report["lacking"]}
+    assert set(rows) == {("confirm_before_writing", "base"), ("confirm_before_writing", "null:confirm_before_writing")}
+    row = rows[("confirm_before_writing", "base")]
+    assert row["families"] == ["cancel"] and row["n_tasks"] == 6
+    assert row["estimate"] == row["low"] == row["high"] == 1.0 and row["excludes_zero"]
+    assert row["success_a"] == 1.0 and row["success_b"] == 0.0
+    whole = next(c for c in report["contrasts"] if c["b"] == "null:confirm_before_writing")
+    assert abs(whole["estimate"] - 1 / 3) < 1e-9
+    md = report_markdown(report)
+    assert "Where the capability was LACKING" in md and "| confirm_before_writing | 6" in md
+    assert "on the 6 test tasks of the families where confirm_before_writing was LACKING" in readme_section(report)
+    assert build_report(outcomes, seeds=[0, 1, 2], task_ids=[f"t{i}" for i in range(18)], families=families,
+                        samples=50, lacking={"confirm_before_writing": ["nowhere"]})["lacking"] == []
+
+
 def test_the_readme_section_is_generated_and_spliced_between_its_markers():
     from trace_assets.reports import ReadmeSectionError, splice
 
@@ -172,6 +196,14 @@ def test_the_report_says_what_the_settings_cut_from_the_design():
     assert labels["trace_soft"].startswith("TRACE soft") and labels["confirm_before_writing"].endswith("alone")
     _, full = assemble_report({s: evaluation(int(s), deferred=[], ablation=True) for s in ("0", "1", "2")}, settings)
     assert full == []  # nothing cut, nothing missing: no notes
+    report, notes = assemble_report({"0": evaluation(0, deferred=[], ablation=True)}, settings,
+                                    lacking={"confirm_before_writing": ["g"], "never_trained": ["f"]})
+    assert [(r["a"], r["b"], r["n_tasks"]) for r in report["lacking"]] == [
+        ("confirm_before_writing", "base", 1), ("confirm_before_writing", "null:confirm_before_writing", 1),
+        ("trace_routed", "base", 1)]
+    _, notes = assemble_report({"0": evaluation(0, deferred=[], ablation=True)}, settings,
+                               lacking={"confirm_before_writing": []})
+    assert any("no train-side trajectory labelled it LACKING" in n for n in notes)
 
 
 def test_the_forest_plot_keeps_every_label_and_value_inside_the_figure():

@@ -71,7 +71,6 @@ def test_lacking_families_come_from_the_train_side_labels(tmp_path, monkeypatch)
     from trace_assets.settings import load_settings
 
     monkeypatch.setenv("TRACE_DATA_DIR", str(tmp_path))
-    module = _module()
     env, settings = get_environment("retail"), load_settings("tiny")
     from benchmarks.target_success import task_list
 
@@ -86,8 +85,10 @@ def test_lacking_families_come_from_the_train_side_labels(tmp_path, monkeypatch)
         for i, (task, split, _) in enumerate(rows)], batch_name="b")
     store.insert_labels([(f"t{i}", "confirm_before_writing", 0, label, "r") for i, (_, _, label) in enumerate(rows)],
                         analyst="heuristic", version="v")
-    assert module.lacking_families("confirm_before_writing", train) == [train[0].family]
-    assert module.lacking_families("ask_for_missing_info", train) == []
+    assert store.lacking_families("confirm_before_writing", train) == [train[0].family]
+    assert store.lacking_families("confirm_before_writing", train, version="v") == [train[0].family]
+    assert store.lacking_families("confirm_before_writing", train, version="other") == []
+    assert store.lacking_families("ask_for_missing_info", train) == []
 
 
 def test_each_seed_is_written_as_it_ends_and_resume_reuses_only_what_measured_the_same(tmp_path, monkeypatch,

@@ -71,7 +71,7 @@ EXPERIMENT_PER_SEED = ("experiment_baselines", "experiment_eval", "experiment_re
 EXPERIMENT_PER_CAPABILITY_SEED = ("experiment_env", "experiment_adapter")
 EXPERIMENT_SELECTION = AssetSelection.groups(GROUP).upstream()
 """What ``make experiment`` materializes (``orchestrate.run_stale``): the experiment and everything it reads."""
-REPORT_VERSION = "experiment-report-v3"  # v3: trace_soft labelled, adapter − null contrasts
+REPORT_VERSION = "experiment-report-v4"  # v4: the contrasts on the families where each capability was LACKING
 
 
 def registry_name(seed: int, system: str) -> str:
@@ -225,13 +225,18 @@ def build_experiment_assets(settings: Settings) -> list:
     @asset(group_name=GROUP, kinds={"python", "mlflow"},
            code_version=stable_hash([exp.__dict__, REPORT_VERSION]),
            ins={"experiment_eval": AssetIn(partition_mapping=AllPartitionMapping(), metadata=EVERY_TRAINED)})
-    def experiment_report(context: AssetExecutionContext, mlflow: MlflowRegistry, experiment_eval: Any) -> Output[dict[str, Any]]:
+    def experiment_report(context: AssetExecutionContext, mlflow: MlflowRegistry, store: TraceStore, task_splits: dict,
+                          selected_capabilities: dict, experiment_eval: Any) -> Output[dict[str, Any]]:
         """Success per system over the seeds with paired bootstrap intervals, the paired
-        differences and the forest plot: ``reports/experiment.md``, asset metadata and MLflow."""
+        differences (also on the families where each capability was LACKING on the train side) and
+        the forest plot: ``reports/experiment.md``, asset metadata and MLflow."""
         evals = by_partition(context, "experiment_eval", experiment_eval)
         if not evals:
             raise Failure("experiment_report: no seed was evaluated")
-        report, notes = assemble_report(evals, settings)
+        train = tasks_of(task_splits, "train")
+        lacking = {name: store.lacking_families(name, train, version=selected_capabilities["dictionary_version"])
+                   for name in selected_capabilities["names"]}
+        report, notes = assemble_report(evals, settings, lacking=lacking)
         for note in notes:
             context.log.warning(note)
         markdown, png = write_report(report)
@@ -239,6 +244,9 @@ def build_experiment_assets(settings: Settings) -> list:
         metrics.update({f"diff_{c['a']}_vs_{c['b']}": c["estimate"] for c in report["contrasts"]})
         metrics.update({f"diff_{c['a']}_vs_{c['b']}_low": c["low"] for c in report["contrasts"]})
         metrics.update({f"diff_{c['a']}_vs_{c['b']}_high": c["high"] for c in report["contrasts"]})
+        for r in report["lacking"]:
+            key = f"lacking_{r['capability']}_diff_{r['a']}_vs_{r['b']}".replace(":", "_")
+            metrics.update({key: r["estimate"], f"{key}_low": r["low"], f"{key}_high": r["high"]})
         run_id = mlflow.log_report(markdown, {"experiment_forest": png}, metrics)
         return Output(report, data_version=DataVersion(stable_hash(report)), metadata={
             "report": MetadataValue.md(markdown), "mlflow_run_id": run_id,
@@ -248,10 +256,13 @@ def build_experiment_assets(settings: Settings) -> list:
     return [experiment_env, experiment_adapter, experiment_baselines, experiment_eval, experiment_report]
 
 
-def assemble_report(evals: dict[str, dict[str, Any]], settings: Settings) -> tuple[dict[str, Any], list[str]]:
+def assemble_report(evals: dict[str, dict[str, Any]], settings: Settings,
+                    lacking: dict[str, list[str]] | None = None) -> tuple[dict[str, Any], list[str]]:
     """The experiment report (``experiment.report.build_report``) from the seeds' evaluations:
     the systems every evaluated seed has, in a fixed order (base, TRACE, oracle, the baselines,
-    then adapters and their nulls); a system missing on a seed, and a seed not evaluated, are noted."""
+    then adapters and their nulls); a system missing on a seed, and a seed not evaluated, are noted.
+    ``lacking``: per capability, the families where it was LACKING on the train side (the
+    adapters' contrasts are repeated there; a trained capability with none is noted)."""
     from trace_assets.experiment.report import ABLATION, BASE, GRPO, ORACLE, SOFT, TRACE, build_report
 
     exp = settings.experiment
@@ -288,8 +299,11 @@ def assemble_report(evals: dict[str, dict[str, Any]], settings: Settings) -> tup
     sampled = [evals[s].get("trials") for s in seeds]
     trials = ({n: [t for per_seed in sampled for t in per_seed[n]] for n in sampled[0]}
               if all(sampled) and exp.pass_k else None)
+    lacking = {n: f for n, f in (lacking or {}).items() if n in common}
+    for name in sorted(n for n, f in lacking.items() if not f):
+        notes.append(f"{name}: no train-side trajectory labelled it LACKING, so it has no LACKING-family contrast")
     report = build_report(
-        outcomes, seeds=seeds, task_ids=first["task_ids"], families=first["families"],
+        outcomes, seeds=seeds, lacking=lacking, task_ids=first["task_ids"], families=first["families"],
         rollouts={n: [evals[s]["rollouts"].get(n) for s in seeds] for n in order},
         tokens={n: [evals[s]["tokens"].get(n) for s in seeds] for n in order}, trials=trials, pass_k=exp.pass_k or 4,
         samples=exp.bootstrap_samples, bootstrap_seed=exp.bootstrap_seed, notes=notes)

@@ -35,7 +35,7 @@ LABELS = {BASE: "base", TRACE: "TRACE routed", SOFT: "TRACE soft routing (compos
           ABLATION: "GRPO on target families, binary reward"}
 README_SECTION = "experiment"
 """The README's generated section this report fills (``trace_assets.reports.splice``)."""
-REPORT_VERSION = 1
+REPORT_VERSION = 2  # v2: the contrasts on the families where each capability was LACKING
 
 
 def label(system: str) -> str:
@@ -52,12 +52,16 @@ def build_report(outcomes: Mapping[str, Sequence[Sequence[float | bool]]], *, se
                  tokens: Mapping[str, Sequence[int | None]] | None = None,
                  trials: Mapping[str, Sequence[Sequence[bool | float]]] | None = None, pass_k: int = 4,
                  samples: int = SAMPLES, level: float = LEVEL, bootstrap_seed: int = 0,
-                 notes: Sequence[str] = ()) -> dict[str, Any]:
+                 notes: Sequence[str] = (), lacking: Mapping[str, Sequence[str]] | None = None) -> dict[str, Any]:
     """The report dict (module docstring). ``outcomes[system]``: seeds x tasks successes, rows in the
     order of ``seeds``, columns in the order of ``task_ids`` (``families`` gives each task's family).
     ``rollouts`` / ``tokens``: per system, what its training spent with each seed (None: not
     recorded). ``trials``: per system, per task (or per (seed, task): pass^k is then the mean over
-    seeds), the successes of repeated sampled episodes, for pass^``pass_k``. ``notes``: lines the report carries verbatim (what was cut, and why)."""
+    seeds), the successes of repeated sampled episodes, for pass^``pass_k``. ``notes``: lines the report carries verbatim (what was cut, and why).
+    ``lacking``: per adapter, the families where Step 1 labelled its capability LACKING on the train
+    side; the report's ``lacking`` rows repeat the adapter's contrasts (against the base, its null
+    control, and TRACE routed against the base) on the test tasks of those families alone, where
+    the adapter is meant to help."""
     order = list(outcomes)
     n_seeds = len(seeds)
     if any(len(rows) != n_seeds for rows in outcomes.values()):
@@ -88,6 +92,21 @@ def build_report(outcomes: Mapping[str, Sequence[Sequence[float | bool]]], *, se
             columns = [j for j, f in enumerate(families) if f == family]
             cells = [float(row[j]) for row in outcomes[name] for j in columns]
             by_family.setdefault(name, {})[family] = sum(cells) / len(cells)
+    lacking_rows = []
+    for name, wanted in (lacking or {}).items():
+        columns = [j for j, f in enumerate(families) if f in set(wanted)]
+        pairs = [(a, b) for a, b in ((name, BASE), (name, f"null:{name}"), (TRACE, BASE)) if a in outcomes and b in outcomes]
+        if not columns or not pairs:
+            continue
+        subset = {n: [[row[j] for j in columns] for row in outcomes[n]] for n in {x for pair in pairs for x in pair}}
+        on_subset, subset_differences = paired_bootstrap(subset, contrasts=pairs, samples=samples, level=level,
+                                                         seed=bootstrap_seed)
+        for a, b in pairs:
+            lacking_rows.append({"capability": name, "families": sorted(set(wanted) & set(families)),
+                                 "n_tasks": len(columns), "a": a, "b": b, "label": contrast_label(a, b),
+                                 "success_a": on_subset[a].estimate, "success_b": on_subset[b].estimate,
+                                 **subset_differences[(a, b)].to_dict(),
+                                 "excludes_zero": subset_differences[(a, b)].excludes_zero()})
     pass_rows = []
     for name, per_task in (trials or {}).items():
         n = min((len(t) for t in per_task), default=0)
@@ -98,7 +117,7 @@ def build_report(outcomes: Mapping[str, Sequence[Sequence[float | bool]]], *, se
         "version": REPORT_VERSION, "seeds": [str(s) for s in seeds], "n_tasks": len(task_ids),
         "task_ids": list(task_ids), "families": list(families), "level": level, "bootstrap_samples": samples,
         "bootstrap_seed": bootstrap_seed, "systems": rows, "contrasts": contrast_rows, "by_family": by_family,
-        "pass_k": pass_rows, "notes": list(notes),
+        "lacking": lacking_rows, "pass_k": pass_rows, "notes": list(notes),
     }
 
 
@@ -123,6 +142,25 @@ def contrasts_table(report: dict[str, Any]) -> pl.DataFrame:
                                              f"{round(100 * report['level'])} % interval": pl.String, "excludes 0": pl.String})
 
 
+def lacking_table(report: dict[str, Any]) -> pl.DataFrame:
+    """The ``lacking`` rows: each adapter's contrasts on the test tasks of the families where its
+    capability was LACKING on the train side."""
+    pct = lambda x: round(100.0 * x, 1)  # noqa: E731
+    return pl.DataFrame([{
+        "capability": r["capability"], "tasks": r["n_tasks"], "difference": r["label"],
+        "success a %": pct(r["success_a"]), "success b %": pct(r["success_b"]), "points": pct(r["estimate"]),
+        f"{round(100 * report['level'])} % interval": f"[{pct(r['low'])}, {pct(r['high'])}]",
+        "excludes 0": "yes" if r["excludes_zero"] else "no",
+    } for r in report.get("lacking", [])])
+
+
+def _lacking_heading(report: dict[str, Any]) -> str:
+    families = sorted({f for r in report["lacking"] for f in r["families"]})
+    return ("## Where the capability was LACKING (train-side labels of Step 1)\n\n"
+            f"The same contrasts on the test tasks of the families where Step 1 labelled the adapter's capability "
+            f"LACKING on the train side ({', '.join(families)}), tasks × seeds.")
+
+
 def _spent_text(spent: dict[str, Any]) -> str:
     """The mean over seeds; "—" when the caller gave nothing for the system or seeds."""
     return "—" if spent["mean"] is None else f"{spent['mean']:,.0f}"
@@ -142,6 +180,8 @@ def report_markdown(report: dict[str, Any], *, figure: str | None = None) -> str
              "## Paired differences", to_markdown(contrasts_table(report), float_precision=1) if report["contrasts"] else "_none_"]
     if figure:
         parts.append(f"![forest plot]({figure})")
+    if report.get("lacking"):
+        parts += [_lacking_heading(report), to_markdown(lacking_table(report), float_precision=1)]
     if report["pass_k"]:
         parts += ["## pass^k (tau2-bench: mean over tasks of C(c, k) / C(n, k))",
                   to_markdown(pl.DataFrame([{"system": r["label"], "k": r["k"], "trials per task": r["trials_per_task"],
@@ -184,6 +224,13 @@ def readme_section(report: dict[str, Any], *, figure: str = "docs/experiment_for
             verdict = "excludes zero" if c["excludes_zero"] else "includes zero: not resolved"
             lines.append(f"- {c['label']}: {100 * c['estimate']:+.1f} points, interval "
                          f"[{100 * c['low']:+.1f}, {100 * c['high']:+.1f}] ({verdict}).")
+    for r in report.get("lacking", []):
+        if r["b"] != BASE or r["a"] == TRACE:
+            continue
+        verdict = "excludes zero" if r["excludes_zero"] else "includes zero: not resolved"
+        lines.append(f"- {r['label']} on the {r['n_tasks']} test tasks of the families where "
+                     f"{r['capability']} was LACKING on the train side: {100 * r['estimate']:+.1f} points, interval "
+                     f"[{100 * r['low']:+.1f}, {100 * r['high']:+.1f}] ({verdict}).")
     lines += ["", f"![forest plot]({figure})"]
     if report["notes"]:  # what was cut or missing travels with the figures
         lines += ["", "What this run left out:", "", *(f"- {n}" for n in report["notes"])]

@@ -54,6 +54,13 @@ def test_the_experiment_runs_every_seed_and_reports_intervals(experiment):
                for r in passes.values())
     markdown = (data / "reports" / "experiment.md").read_text()
     assert "95 % interval" in markdown and "TRACE routed − base" in markdown
+    # the adapter's contrasts again, on the test tasks of the families its capability lacked (train side)
+    trained = [n for n in systems if f"null:{n}" in systems]
+    lacking = {r["capability"] for r in report["lacking"]}
+    assert lacking == set(trained) or any("no train-side trajectory labelled it LACKING" in n for n in report["notes"])
+    for row in report["lacking"]:
+        assert row["n_tasks"] == sum(f in row["families"] for f in report["families"]) > 0
+        assert row["low"] <= row["estimate"] <= row["high"]
     png = (data / "reports" / "experiment_forest.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     event = instance.get_latest_materialization_event(AssetKey("experiment_report"))

@@ -153,6 +153,26 @@ def test_the_lacking_rows_repeat_the_adapter_contrasts_on_its_lacking_families_a
                         samples=50, lacking={"confirm_before_writing": ["nowhere"]})["lacking"] == []
 
 
+def test_the_gains_rows_say_per_family_where_trace_won_lost_and_routed():
+    families = ["cancel", "cancel", "status", "status"]
+    outcomes = {"base": [[0, 1, 1, 0]] * 2, "trace_routed": [[1, 0, 1, 0], [1, 1, 1, 0]],
+                "oracle": [[1, 1, 1, 1]] * 2}
+    routed = {"1": ["confirm_before_writing", None, None, None]}  # seed 0 did not record its routing
+    report = build_report(outcomes, seeds=[0, 1], task_ids=["a", "b", "c", "d"], families=families, samples=50,
+                          routed=routed)
+    rows = {r["family"]: r for r in report["gains"]}
+    assert rows["cancel"] == {"family": "cancel", "cells": 4, "base": 0.5, "trace": 0.75, "oracle": 1.0, "won": 2,
+                              "lost": 1, "left_to_oracle": 1, "routed_to_adapter": 0.5, "routed_seeds": ["1"]}
+    assert rows["status"]["won"] == rows["status"]["lost"] == 0 and rows["status"]["left_to_oracle"] == 2
+    assert rows["status"]["routed_to_adapter"] == 0.0
+    md = report_markdown(report)
+    assert "Where TRACE routed won and lost" in md and "routing recorded for seed 1)" in md
+    assert "| cancel" in readme_section(report)
+    with pytest.raises(ValueError, match="one choice per task"):
+        build_report(outcomes, seeds=[0, 1], task_ids=["a", "b", "c", "d"], families=families, routed={"0": [None]})
+    assert build_report({"base": [[1]]}, seeds=[0], task_ids=["a"], families=["f"], samples=10)["gains"] == []
+
+
 def test_the_readme_section_is_generated_and_spliced_between_its_markers():
     from trace_assets.reports import ReadmeSectionError, splice
 

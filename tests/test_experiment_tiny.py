@@ -58,6 +58,10 @@ def test_the_experiment_runs_every_seed_and_reports_intervals(experiment):
     trained = [n for n in systems if f"null:{n}" in systems]
     lacking = {r["capability"] for r in report["lacking"]}
     assert lacking == set(trained) or any("no train-side trajectory labelled it LACKING" in n for n in report["notes"])
+    gains = {r["family"]: r for r in report["gains"]}
+    assert set(gains) == set(report["families"]) and all(r["routed_seeds"] == ["0", "1"] for r in gains.values())
+    assert sum(r["won"] - r["lost"] for r in gains.values()) == round(
+        (systems["trace_routed"]["estimate"] - systems["base"]["estimate"]) * len(report["task_ids"]) * 2)
     for row in report["lacking"]:
         assert row["n_tasks"] == sum(f in row["families"] for f in report["families"]) > 0
         assert row["low"] <= row["estimate"] <= row["high"]

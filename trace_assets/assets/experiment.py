@@ -209,7 +209,8 @@ def build_experiment_assets(settings: Settings) -> list:
                  "per_task": report["per_task"], "rollouts": {k: v for k, v in report["rollouts_spent"].items() if k != "evaluation"},
                  "tokens": tokens, "not_trained": [n for n in selected_capabilities["names"] if n not in trained],
                  "deferred": selected_capabilities.get("deferred", []),
-                 "not_routed": router.get("not_routed", {}), "agent_id": report["agent_id"]}
+                 "not_routed": router.get("not_routed", {}), "agent_id": report["agent_id"],
+                 "routed": report["routed"] or [None] * len(report["task_ids"])}  # None: the base
         if exp.pass_k:  # repeated sampled episodes of base, TRACE routed and GRPO on target
             n = len(report["task_ids"])
             value["trials"] = sampled_trials(
@@ -302,8 +303,9 @@ def assemble_report(evals: dict[str, dict[str, Any]], settings: Settings,
     lacking = {n: f for n, f in (lacking or {}).items() if n in common}
     for name in sorted(n for n, f in lacking.items() if not f):
         notes.append(f"{name}: no train-side trajectory labelled it LACKING, so it has no LACKING-family contrast")
+    routed = {s: evals[s]["routed"] for s in seeds if "routed" in evals[s]}  # evaluations before v4 lack it
     report = build_report(
-        outcomes, seeds=seeds, lacking=lacking, task_ids=first["task_ids"], families=first["families"],
+        outcomes, seeds=seeds, lacking=lacking, routed=routed, task_ids=first["task_ids"], families=first["families"],
         rollouts={n: [evals[s]["rollouts"].get(n) for s in seeds] for n in order},
         tokens={n: [evals[s]["tokens"].get(n) for s in seeds] for n in order}, trials=trials, pass_k=exp.pass_k or 4,
         samples=exp.bootstrap_samples, bootstrap_seed=exp.bootstrap_seed, notes=notes)

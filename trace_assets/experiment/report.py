@@ -35,7 +35,7 @@ LABELS = {BASE: "base", TRACE: "TRACE routed", SOFT: "TRACE soft routing (compos
           ABLATION: "GRPO on target families, binary reward"}
 README_SECTION = "experiment"
 """The README's generated section this report fills (``trace_assets.reports.splice``)."""
-REPORT_VERSION = 2  # v2: the contrasts on the families where each capability was LACKING
+REPORT_VERSION = 2  # v2: the LACKING-family contrasts; TRACE's gains and routing by family
 
 
 def label(system: str) -> str:
@@ -52,7 +52,8 @@ def build_report(outcomes: Mapping[str, Sequence[Sequence[float | bool]]], *, se
                  tokens: Mapping[str, Sequence[int | None]] | None = None,
                  trials: Mapping[str, Sequence[Sequence[bool | float]]] | None = None, pass_k: int = 4,
                  samples: int = SAMPLES, level: float = LEVEL, bootstrap_seed: int = 0,
-                 notes: Sequence[str] = (), lacking: Mapping[str, Sequence[str]] | None = None) -> dict[str, Any]:
+                 notes: Sequence[str] = (), lacking: Mapping[str, Sequence[str]] | None = None,
+                 routed: Mapping[str, Sequence[str | None]] | None = None) -> dict[str, Any]:
     """The report dict (module docstring). ``outcomes[system]``: seeds x tasks successes, rows in the
     order of ``seeds``, columns in the order of ``task_ids`` (``families`` gives each task's family).
     ``rollouts`` / ``tokens``: per system, what its training spent with each seed (None: not
@@ -61,7 +62,10 @@ def build_report(outcomes: Mapping[str, Sequence[Sequence[float | bool]]], *, se
     ``lacking``: per adapter, the families where Step 1 labelled its capability LACKING on the train
     side; the report's ``lacking`` rows repeat the adapter's contrasts (against the base, its null
     control, and TRACE routed against the base) on the test tasks of those families alone, where
-    the adapter is meant to help."""
+    the adapter is meant to help. ``routed``: per seed (as in ``seeds``), the router's choice per
+    task (None: the base), for the seeds that recorded it; the ``gains`` rows say, per family, where
+    TRACE routed won and lost against the base, what it left to oracle routing, and how often it
+    routed to an adapter."""
     order = list(outcomes)
     n_seeds = len(seeds)
     if any(len(rows) != n_seeds for rows in outcomes.values()):
@@ -92,6 +96,9 @@ def build_report(outcomes: Mapping[str, Sequence[Sequence[float | bool]]], *, se
             columns = [j for j, f in enumerate(families) if f == family]
             cells = [float(row[j]) for row in outcomes[name] for j in columns]
             by_family.setdefault(name, {})[family] = sum(cells) / len(cells)
+    if any(len(choices) != len(task_ids) for choices in (routed or {}).values()):
+        raise ValueError("every recorded routing needs one choice per task")
+    gains = gains_by_family(outcomes, seeds=[str(x) for x in seeds], families=families, routed=routed or {})
     lacking_rows = []
     for name, wanted in (lacking or {}).items():
         columns = [j for j, f in enumerate(families) if f in set(wanted)]
@@ -117,8 +124,60 @@ def build_report(outcomes: Mapping[str, Sequence[Sequence[float | bool]]], *, se
         "version": REPORT_VERSION, "seeds": [str(s) for s in seeds], "n_tasks": len(task_ids),
         "task_ids": list(task_ids), "families": list(families), "level": level, "bootstrap_samples": samples,
         "bootstrap_seed": bootstrap_seed, "systems": rows, "contrasts": contrast_rows, "by_family": by_family,
-        "lacking": lacking_rows, "pass_k": pass_rows, "notes": list(notes),
+        "gains": gains, "lacking": lacking_rows, "pass_k": pass_rows, "notes": list(notes),
     }
+
+
+def gains_by_family(outcomes: Mapping[str, Sequence[Sequence[float | bool]]], *, seeds: Sequence[str],
+                    families: Sequence[str], routed: Mapping[str, Sequence[str | None]]) -> list[dict[str, Any]]:
+    """Per family, over its tasks x seeds cells: TRACE routed's wins and losses against the base
+    (cells one solves and the other does not), the cells only oracle routing solves, and the share
+    of routed choices that went to an adapter (over the seeds in ``routed``; None when none
+    recorded it). Empty without both the base and TRACE routed."""
+    if BASE not in outcomes or TRACE not in outcomes:
+        return []
+    rows = []
+    for family in sorted(set(families)):
+        columns = [j for j, f in enumerate(families) if f == family]
+        cells = [(s, j) for s in range(len(seeds)) for j in columns]
+
+        def solved(name: str, s: int, j: int) -> bool:
+            return float(outcomes[name][s][j]) >= 1.0
+
+        choices = [routed[seeds[s]][j] for s, j in cells if seeds[s] in routed]
+        rows.append({
+            "family": family, "cells": len(cells),
+            "base": sum(solved(BASE, s, j) for s, j in cells) / len(cells),
+            "trace": sum(solved(TRACE, s, j) for s, j in cells) / len(cells),
+            "oracle": (sum(solved(ORACLE, s, j) for s, j in cells) / len(cells)) if ORACLE in outcomes else None,
+            "won": sum(solved(TRACE, s, j) and not solved(BASE, s, j) for s, j in cells),
+            "lost": sum(solved(BASE, s, j) and not solved(TRACE, s, j) for s, j in cells),
+            "left_to_oracle": (sum(solved(ORACLE, s, j) and not solved(TRACE, s, j) for s, j in cells)
+                               if ORACLE in outcomes else None),
+            "routed_to_adapter": (sum(c is not None for c in choices) / len(choices)) if choices else None,
+            "routed_seeds": sorted({seeds[s] for s, _ in cells if seeds[s] in routed}),
+        })
+    return rows
+
+
+def gains_table(report: dict[str, Any]) -> pl.DataFrame:
+    """The ``gains`` rows as a table (percentages; "—" where not measured)."""
+    pct = lambda x: "—" if x is None else f"{100.0 * x:.1f}"  # noqa: E731
+    return pl.DataFrame([{
+        "family": r["family"], "tasks × seeds": r["cells"], "base %": pct(r["base"]), "TRACE %": pct(r["trace"]),
+        "oracle %": pct(r["oracle"]), "TRACE won": r["won"], "TRACE lost": r["lost"],
+        "left to oracle": "—" if r["left_to_oracle"] is None else r["left_to_oracle"],
+        "routed to an adapter %": pct(r["routed_to_adapter"]),
+    } for r in report.get("gains", [])])
+
+
+def _gains_heading(report: dict[str, Any]) -> str:
+    seeds = sorted({s for r in report["gains"] for s in r["routed_seeds"]}, key=int)
+    recorded = (f"routing recorded for seed{'s' if len(seeds) != 1 else ''} {', '.join(seeds)}" if seeds
+                else "routing not recorded")
+    return ("## Where TRACE routed won and lost, by family\n\n"
+            "Cells are test tasks × seeds. Won / lost: cells TRACE routed solves and the base does not, and the "
+            f"reverse; left to oracle: cells oracle routing solves and TRACE routed does not ({recorded}).")
 
 
 def systems_table(report: dict[str, Any]) -> pl.DataFrame:
@@ -182,6 +241,8 @@ def report_markdown(report: dict[str, Any], *, figure: str | None = None) -> str
         parts.append(f"![forest plot]({figure})")
     if report.get("lacking"):
         parts += [_lacking_heading(report), to_markdown(lacking_table(report), float_precision=1)]
+    if report.get("gains"):
+        parts += [_gains_heading(report), to_markdown(gains_table(report))]
     if report["pass_k"]:
         parts += ["## pass^k (tau2-bench: mean over tasks of C(c, k) / C(n, k))",
                   to_markdown(pl.DataFrame([{"system": r["label"], "k": r["k"], "trials per task": r["trials_per_task"],
@@ -232,6 +293,8 @@ def readme_section(report: dict[str, Any], *, figure: str = "docs/experiment_for
                      f"{r['capability']} was LACKING on the train side: {100 * r['estimate']:+.1f} points, interval "
                      f"[{100 * r['low']:+.1f}, {100 * r['high']:+.1f}] ({verdict}).")
     lines += ["", f"![forest plot]({figure})"]
+    if report.get("gains"):
+        lines += ["", _gains_heading(report).replace("## ", "### ", 1), "", to_markdown(gains_table(report))]
     if report["notes"]:  # what was cut or missing travels with the figures
         lines += ["", "What this run left out:", "", *(f"- {n}" for n in report["notes"])]
     return "\n".join(lines)

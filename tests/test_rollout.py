@@ -219,6 +219,17 @@ def test_backend_seeded_sampling_is_reproducible(tiny):
     assert [g.token_ids for g in a] != [g.token_ids for g in c]
 
 
+def test_logged_progress_logs_about_ten_times_and_at_the_end():
+    from trace_assets.agent.rollout import logged_progress
+
+    lines = []
+    progress = logged_progress(lines.append, "base on the test split")
+    for done in range(91):
+        progress(done, 90)
+    assert lines[-1] == "base on the test split: 90/90 episodes finished"
+    assert 10 <= len(lines) <= 12 and "base on the test split: 9/90 episodes finished" in lines
+
+
 # ---------------------------------------------------------------- rollouts with the tiny model
 
 

@@ -120,6 +120,16 @@ class Rollout:
 ProgressFn = Callable[[int, int], None]
 
 
+def logged_progress(log: Callable[[str], None], what: str, parts: int = 10) -> ProgressFn:
+    """A ``run_rollouts`` progress callback that logs ``"<what>: <done>/<total> episodes finished"``
+    about ``parts`` times over a run, and at its end (a long evaluation shows it is moving)."""
+    def progress(done: int, total: int) -> None:
+        if done % max(1, total // parts) == 0 or done == total:
+            log(f"{what}: {done}/{total} episodes finished")
+
+    return progress
+
+
 def derive_seed(seed: int, round_index: int) -> int:
     """A well-mixed 31-bit seed for generation round ``round_index`` of a run seeded ``seed``."""
     digest = hashlib.sha256(f"{seed}:{round_index}".encode()).digest()

@@ -146,7 +146,7 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
         warm-start or dtype writes new rows beside the old ones, and readers select by ``agent_id``.
         """
         from trace_assets.agent.identity import agent_id, agent_identity
-        from trace_assets.agent.rollout import RolloutConfig, rollout_to_record, run_rollouts
+        from trace_assets.agent.rollout import RolloutConfig, logged_progress, rollout_to_record, run_rollouts
 
         env = get_environment(task_cfg.env)
         tasks = tasks_of(task_splits, "train") + tasks_of(task_splits, "test")
@@ -159,13 +159,8 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
         agent = agent_id(identity)
         context.log.info(f"generation backend: {models.backend_label(backend)}; agent {agent} {identity}")
         config = RolloutConfig.from_limits(roll_cfg, temperature=roll_cfg.temperature, seed=roll_cfg.seed)
-        step = max(1, len(tasks) // 10)
-
-        def progress(done: int, total: int) -> None:
-            if done % step == 0 or done == total:
-                context.log.info(f"base rollouts: {done}/{total} episodes finished")
-
-        rollouts = run_rollouts(env, tasks, backend, tokenizer, config, progress=progress)
+        rollouts = run_rollouts(env, tasks, backend, tokenizer, config,
+                                progress=logged_progress(context.log.info, "base rollouts"))
         records = [
             rollout_to_record(r, policy="base", source=PIPELINE_SOURCE, split=split_of[r.task.task_id], agent_id=agent)
             for r in rollouts

@@ -150,7 +150,7 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
     further trained adapters evaluated like the baseline, ``{system name: {"adapter_dir", "rollouts"}}``
     (the experiment's ablation). ``per_task`` in the result holds every system's reward per test
     task, in the order of ``task_ids``."""
-    from trace_assets.agent.rollout import run_rollouts
+    from trace_assets.agent.rollout import logged_progress, run_rollouts
     from trace_assets.route.compose import AdapterBank, plan_groups
     from trace_assets.route.report import (
         attribution, confusion_matrix, oracle_choice, oracle_rewards, plot_success_by_system,
@@ -193,7 +193,8 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
     if missing:  # a test split extended, or another backend or dtype than base_trajectories ran
         log(f"running the base agent {base_id} on {len(missing)} test tasks without its stored trajectories")
         records = [rollout_to_record(r, policy="base", source=PIPELINE_SOURCE, split="test", agent_id=base_id)
-                   for r in run_rollouts(env, missing, base_backend, tokenizer, config)]
+                   for r in run_rollouts(env, missing, base_backend, tokenizer, config,
+                                           progress=logged_progress(log, "base on the test split"))]
         store.insert_trajectories(records, batch_name=f"base_rollout_{base_id}_{stable_hash(sorted(r['trajectory_id'] for r in records), 12)}")
         stored.update({r["task_id"]: r for r in records})
     per_system: dict[str | None, list[float]] = {None: [float(stored[i]["reward"]) for i in ids]}
@@ -218,6 +219,7 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
             engine.ensure_adapter(name, folder)
         log(f"evaluating {len(names)} adapters on {len(tasks)} test tasks in one vLLM batch (mixed LoRA requests)")
         rollouts = run_rollouts(env, [t for _ in names for t in tasks], VLLMBackend(engine), tokenizer, config,
+                                progress=logged_progress(log, f"{len(names)} adapters on the test split"),
                                 adapters=[n for n in names for _ in tasks])
         for j, name in enumerate(names):
             chunk = rollouts[j * len(tasks) : (j + 1) * len(tasks)]
@@ -228,7 +230,8 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
         for name in bank_paths:
             with bank.use(name) as active:
                 log(f"evaluating {name} on {len(tasks)} test tasks")
-                rollouts = run_rollouts(env, tasks, models.peft_backend(base_agent["path"], active, tokenizer), tokenizer, config)
+                rollouts = run_rollouts(env, tasks, models.peft_backend(base_agent["path"], active, tokenizer), tokenizer, config,
+                                        progress=logged_progress(log, name))
             per_system[name] = [r.result.reward for r in rollouts]
             success[name] = [r.result.success for r in rollouts]
             eval_rollouts[name] = len(rollouts)
@@ -379,7 +382,7 @@ def sampled_trials(settings, models, *, task_splits: dict, base_agent: dict, cho
     derived from ``seed``, with the ``[rollout]`` limits."""
     from dataclasses import replace
 
-    from trace_assets.agent.rollout import derive_seed, run_rollouts
+    from trace_assets.agent.rollout import derive_seed, logged_progress, run_rollouts
     from trace_assets.route.compose import AdapterBank
 
     env = get_environment(settings.tasks.env)
@@ -399,10 +402,11 @@ def sampled_trials(settings, models, *, task_splits: dict, base_agent: dict, cho
         log(f"pass^k: {len(batch)} sampled episodes through {adapter or 'the base'} at T={temperature}")
         if bank is None:
             backend = models.backend_for(base_agent["path"], model, tokenizer)
-            rollouts = run_rollouts(env, batch, backend, tokenizer, config)
+            rollouts = run_rollouts(env, batch, backend, tokenizer, config, progress=logged_progress(log, "pass^k"))
         else:
             with bank.use(adapter) as active:
-                rollouts = run_rollouts(env, batch, models.peft_backend(base_agent["path"], active, tokenizer), tokenizer, config)
+                rollouts = run_rollouts(env, batch, models.peft_backend(base_agent["path"], active, tokenizer), tokenizer,
+                                        config, progress=logged_progress(log, "pass^k"))
         for j, (name, i) in enumerate(jobs):
             out[name][i] = [bool(r.result.success) for r in rollouts[j * trials:(j + 1) * trials]]
     return out

@@ -86,6 +86,40 @@ def test_each_seed_trains_its_own_adapters(experiment):
     assert by_seed["0"] != by_seed["1"] and all("experiment-seed" in v for v in by_seed.values())
 
 
+def test_every_evaluated_system_keeps_its_test_episodes_so_a_killed_evaluation_resumes(experiment):
+    """Each system's greedy test episodes are stored under an agent id that names its adapter's bytes,
+    backend, dtype and episode config: one row per test task for every (seed, system) but the base."""
+    from resources.store import TraceStore
+    from trace_assets.route.evaluation import EVALUATED_POLICY
+
+    *_, data = experiment
+    report = json.loads((data / "reports" / "experiment.json").read_text())
+    rows = TraceStore().query("SELECT agent_id, count(DISTINCT task_id) AS n, count(*) AS rows FROM trajectories "
+                              "WHERE policy = ? AND split = 'test' GROUP BY agent_id", [EVALUATED_POLICY])
+    systems = [r["system"] for r in report["systems"]]
+    trained = [n for n in systems if n.startswith("null:") or f"null:{n}" in systems or n.startswith("grpo_target")]
+    assert rows.height == len(trained) * len(report["seeds"])  # every seed trains its own: no id shared
+    assert set(rows["n"].to_list()) == set(rows["rows"].to_list()) == {report["n_tasks"]}
+
+
+def test_an_evaluation_run_again_from_nothing_reuses_the_stored_episodes(experiment, tmp_path):
+    """A killed experiment loses its Dagster records at worst, not its played episodes: a fresh
+    instance on the same data folder re-materializes the evaluation without playing a test episode
+    again (the training folders resume from their checkpoints the same way)."""
+    from dagster import AssetSelection
+
+    from trace_assets.orchestrate import run_stale
+
+    defs, *_ = experiment
+    fresh = DagsterInstance.local_temp(str(tmp_path), overrides={"telemetry": {"enabled": False}})
+    run_ids, failures = run_stale(defs, fresh, AssetSelection.keys("experiment_eval").upstream())
+    assert not failures, failures
+    messages = [e.user_message for run_id in run_ids for e in fresh.all_logs(run_id) if e.user_message]
+    assert any("test episodes are stored" in m and "reused" in m for m in messages)
+    assert not any(m.startswith("evaluating ") and "test tasks (agent" in m for m in messages), \
+        [m for m in messages if m.startswith("evaluating ")]
+
+
 def test_a_second_run_recomputes_nothing(experiment):
     from trace_assets.assets.experiment import EXPERIMENT_SELECTION
     from trace_assets.orchestrate import run_stale, stale_items

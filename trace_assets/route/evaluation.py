@@ -19,6 +19,7 @@ system runs on the same engine, hence in the same dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 
 import polars as pl
 
+from trace_assets import paths
 from trace_assets.envs import get_environment
 from trace_assets.envs.splits import tasks_of
 from trace_assets.figures import to_markdown
@@ -35,6 +37,9 @@ BASELINE = "grpo_target"
 NULL_PREFIX = "null:"
 """Null-control systems are named ``null:<adapter>`` (``:`` is never part of a capability name)."""
 PROBE_CONVERSATIONS = 4
+EVALUATED_POLICY = "evaluated"
+"""The ``policy`` of the test-split episodes an evaluation stored for a system other than the base
+(its agent id names the adapter); Step 1 and the router read ``base`` rows only."""
 
 
 def greedy_rollout_config(settings):
@@ -42,6 +47,17 @@ def greedy_rollout_config(settings):
     from trace_assets.agent.rollout import RolloutConfig
 
     return RolloutConfig.from_limits(settings.rollout, temperature=0.0, seed=settings.rollout.seed)
+
+
+def adapter_checksum(folder: str | Path) -> str:
+    """What an adapter folder applies: its weight bytes and its ``adapter_config.json`` (rank,
+    scaling, target modules). Raises on a folder without weights: two such folders must never
+    share an identity."""
+    folder = Path(folder)
+    if not any(folder.glob("*.safetensors")):
+        raise ValueError(f"{folder}: no adapter weights (*.safetensors)")
+    config = folder / "adapter_config.json"
+    return stable_hash([paths.folder_checksum(folder), config.read_text() if config.exists() else None])
 
 
 def adapter_rollouts(adapter: dict[str, Any]) -> int:
@@ -227,14 +243,29 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
             success[name] = [r.result.success for r in chunk]
             eval_rollouts[name] = len(chunk)
     else:  # one system at a time; with vLLM its merged weights are pushed into the base engine
+        # Each system's episodes are stored as they end, keyed by who played them (base, adapter
+        # bytes, backend, dtype) and how (the greedy config): a killed evaluation resumes with the
+        # systems it had finished, and greedy episodes replay the same, so reuse changes nothing.
         for name in bank_paths:
             with bank.use(name) as active:
-                log(f"evaluating {name} on {len(tasks)} test tasks")
-                rollouts = run_rollouts(env, tasks, models.peft_backend(base_agent["path"], active, tokenizer), tokenizer, config,
-                                        progress=logged_progress(log, name))
-            per_system[name] = [r.result.reward for r in rollouts]
-            success[name] = [r.result.success for r in rollouts]
-            eval_rollouts[name] = len(rollouts)
+                backend = models.peft_backend(base_agent["path"], active, tokenizer)
+                played_by = agent_id({**agent_identity(base_agent, backend, adapter=f"{name}@{adapter_checksum(bank_paths[name])}"),
+                                      "episodes": stable_hash(dataclasses.asdict(config))})
+                kept = {r["task_id"]: r for r in store.agent_trajectories(split="test", agent_id=played_by,
+                                                                          policy=EVALUATED_POLICY, imported=False)}
+                missing = [t for t in tasks if t.task_id not in kept]
+                if missing:
+                    log(f"evaluating {name} on {len(missing)} test tasks (agent {played_by})")
+                    records = [rollout_to_record(r, policy=EVALUATED_POLICY, source=PIPELINE_SOURCE, split="test",
+                                                 agent_id=played_by)
+                               for r in run_rollouts(env, missing, backend, tokenizer, config, progress=logged_progress(log, name))]
+                    store.insert_trajectories(records, batch_name=f"evaluation_{played_by}_{stable_hash(sorted(r['trajectory_id'] for r in records), 12)}")
+                    kept.update({r["task_id"]: r for r in records})
+                else:
+                    log(f"{name}: its {len(tasks)} test episodes are stored (agent {played_by}): reused")
+            per_system[name] = [float(kept[i]["reward"]) for i in ids]
+            success[name] = [bool(kept[i]["success"]) for i in ids]
+            eval_rollouts[name] = len(tasks)
     nulls = {k[len(NULL_PREFIX):]: v for k, v in per_system.items() if k and k.startswith(NULL_PREFIX)}
     singles = {k: v for k, v in per_system.items()
                if k != BASELINE and k not in more_baselines and not (k and k.startswith(NULL_PREFIX))}

@@ -370,3 +370,50 @@ def test_garbage_and_env_bugs_never_crash(tokenizer):
     boom = run_rollouts(env, tasks, ScriptedBackend(tokenizer, ['<tool_call>{"name": "explode", "arguments": {}}</tool_call>']), tokenizer)
     assert all(x.stop_reason == "error" and "environment bug" in x.error for x in boom)
     assert all(isinstance(x.result, EpisodeResult) for x in boom)
+
+
+class BoundedCache:
+    """A backend with a KV cache of ``capacity`` tokens (as vLLM reports it), recording every call."""
+
+    name = "bounded"
+
+    def __init__(self, inner, capacity):
+        self.inner, self.kv_capacity_tokens, self.calls = inner, capacity, []
+
+    def generate(self, prompts, params):
+        self.calls.append([list(p) for p in prompts])
+        return self.inner.generate(prompts, params)
+
+
+def test_admission_keeps_the_episodes_in_flight_within_the_kv_cache_and_changes_no_rollout(tiny):
+    from trace_assets.agent.rollout import KV_FILL, _common_prefix_length
+
+    model, tok = tiny
+    env, tasks = _tasks(6)
+    config = RolloutConfig(max_steps=4, max_new_tokens=12, temperature=0.0)
+    unbounded = BoundedCache(TransformersBackend(model, tok, batch_size=1), None)
+    reference = run_rollouts(env, tasks, unbounded, tok, config)
+    first = unbounded.calls[0]  # every episode's first prompt
+    shared = _common_prefix_length(first)
+
+    def demand(prompts):
+        return shared + sum(len(p) - shared + config.max_new_tokens for p in prompts)
+
+    # Room for the first two episodes' prompts: more rounds, never more tokens in flight than the cache holds.
+    capacity = int(demand(first[:2]) / KV_FILL) + 1
+    bounded = BoundedCache(TransformersBackend(model, tok, batch_size=1), capacity)
+    rollouts = run_rollouts(env, tasks, bounded, tok, config)
+    assert [r.token_ids for r in rollouts] == [r.token_ids for r in reference]
+    assert [r.stop_reason for r in rollouts] == [r.stop_reason for r in reference]
+    assert max(map(len, bounded.calls)) < len(tasks) and len(bounded.calls) > len(unbounded.calls)
+    # An episode joins only a round whose tokens, its own included, fit (they may outgrow it later).
+    joined = [c for c in bounded.calls if len(c) > 1 and any(p in first for p in c)]
+    assert joined and all(demand(c) <= capacity * KV_FILL for c in joined)
+    # A cache that holds every episode changes nothing: the same batches as no bound at all.
+    roomy = BoundedCache(TransformersBackend(model, tok, batch_size=1), 10**9)
+    run_rollouts(env, tasks, roomy, tok, config)
+    assert roomy.calls == unbounded.calls
+    # One episode larger than the cache still plays, alone.
+    small = BoundedCache(TransformersBackend(model, tok, batch_size=1), 1)
+    assert [r.token_ids for r in run_rollouts(env, tasks, small, tok, config)] == [r.token_ids for r in reference]
+    assert set(map(len, small.calls)) == {1}

@@ -34,6 +34,15 @@ boundary is at a special token, so:
 * ``env_mask`` is 1 exactly on generated tokens, and ``logprobs`` (aligned with ``token_ids``) holds
   the backend's log-probs there and 0.0 elsewhere.
 
+Admission: a backend with a bounded KV cache (``kv_capacity_tokens``: vLLM) gets at most the
+episodes whose tokens it holds. Episodes are admitted in task order while the live episodes' tokens
+(the shared system + tools prefix counted once, each with room for ``max_new_tokens``) fit in
+``KV_FILL`` of it; the others wait for a live one to end. Why: every episode's next turn reuses its
+cached KV blocks only if they are still there. With more episodes than the cache holds, each round
+evicted the blocks of the episodes that finished their turn first, so their next turn prefilled the
+whole conversation again, round after round. When every episode fits from the start, all of them
+run together, as without a bound (the same batches, hence the same rollouts at any temperature).
+
 Seeds: round r of a call uses sampling seed ``derive_seed(config.seed, r)``. So the same tasks,
 config and backend batch size reproduce the same rollouts, at T = 0 and at T > 0. Samples within one
 batch differ from each other (one RNG stream per batch), which is what GRPO groups need.
@@ -259,6 +268,43 @@ def _process_turn(live: _Live, text: str, enc: _Encoder, config: RolloutConfig) 
         live.finish("length")
 
 
+KV_FILL = 0.9
+"""Share of a backend's KV cache that admitted episodes may claim; the rest is room for their next turns."""
+
+
+class _Admission:
+    """Which episodes play the next round (the module docstring's "Admission")."""
+
+    def __init__(self, lives: list[_Live], capacity: int | None, max_new_tokens: int) -> None:
+        self.waiting = [live for live in lives if not live.done]
+        self.admitted: list[_Live] = []
+        self.budget = None if capacity is None else int(capacity * KV_FILL)
+        self.max_new_tokens = max_new_tokens
+        self.shared = _common_prefix_length([live.rollout.token_ids for live in self.waiting])
+
+    def _demand(self, lives: list[_Live]) -> int:
+        return self.shared + sum(len(live.rollout.token_ids) - self.shared + self.max_new_tokens for live in lives)
+
+    def live(self) -> list[_Live]:
+        """The admitted episodes still running, after admitting every waiting one that fits
+        (at least one, so that an episode larger than the cache still plays)."""
+        running = [live for live in self.admitted if not live.done]
+        while self.waiting and (self.budget is None or not running
+                                or self._demand(running + self.waiting[:1]) <= self.budget):
+            running.append(self.waiting.pop(0))
+        self.admitted = running
+        return running
+
+
+def _common_prefix_length(sequences: list[list[int]]) -> int:
+    if not sequences:
+        return 0
+    first, n = sequences[0], min(map(len, sequences))
+    for seq in sequences[1:]:
+        n = next((i for i in range(n) if seq[i] != first[i]), n)
+    return n
+
+
 def run_rollouts(
     env: Environment,
     tasks: list[Task],
@@ -291,12 +337,11 @@ def run_rollouts(
         finished = now
 
     report()
+    admit = _Admission(lives, getattr(backend, "kv_capacity_tokens", None), config.max_new_tokens)
     round_index = 0
     while True:
         active: list[_Live] = []
-        for live in lives:
-            if live.done:
-                continue
+        for live in admit.live():
             r = live.rollout
             try:
                 prompt_tail = enc.generation_prompt(r.messages)
@@ -312,6 +357,8 @@ def run_rollouts(
             active.append(live)
         report()
         if not active:
+            if admit.waiting:  # every admitted episode ended before generating: admit the next
+                continue
             break
         params = SamplingParams(
             temperature=config.temperature,

@@ -145,6 +145,16 @@ class VLLMEngine:
         self._current: dict[str, Any] = {}
         self._pushed: set[str] = set()
         self.weight_pushes = 0
+        self.prompt_tokens = 0
+        """Prompt tokens of every :meth:`generate` call so far; ``cached_tokens`` of them were prefix-cache hits."""
+        self.cached_tokens = 0
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """How many tokens the KV cache holds (its blocks times the block size), shared by every
+        running request and the prefix cache. ``kv_cache_gb`` buys half as many in float32 as in bf16."""
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        return int(cache.num_gpu_blocks) * int(cache.block_size)
 
     @classmethod
     def shared(cls, model_path: str, options: VLLMOptions | None = None) -> "VLLMEngine":
@@ -410,6 +420,8 @@ class VLLMEngine:
         ]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling,
                                     lora_request=loras, use_tqdm=False)
+        self.prompt_tokens += sum(map(len, prompts))
+        self.cached_tokens += sum(out.num_cached_tokens or 0 for out in outputs)
         return [self._generation(out.outputs[0]) for out in outputs]
 
     def score(self, sequences: list[list[int]], adapters: Sequence[str | None] | None = None, *,
@@ -465,6 +477,11 @@ class VLLMBackend:
     """
 
     name = "vllm"
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """The engine's KV cache in tokens: ``run_rollouts`` admits no more episodes than it holds."""
+        return self.engine.kv_capacity_tokens
 
     def __init__(self, engine: VLLMEngine, adapter: str | None = None, *, peft_model: Any = None,
                  sync: Literal["weights", "lora"] = "lora", tag: str | None = None) -> None:

@@ -1,0 +1,101 @@
+"""Greedy episodes with and without KV-cache admission (measured, not asserted).
+
+``run_rollouts`` admits no more episodes than the backend's KV cache holds (``agent.rollout``,
+"Admission"). This plays the same greedy base-agent episodes on one vLLM engine twice: every
+episode at once (the runner before admission; the backend's capacity hidden from it) and admitted.
+It prints wall time, generated tokens/s, the prompt tokens prefilled against those found in the
+prefix cache, and whether both variants played token-identical episodes, with the ratio of their
+wall times measured in this run. Train-side tasks only (never test).
+
+    .venv/bin/python benchmarks/episode_admission.py [--model PATH] [--per-family 6] [--kv-gb 2] [--dtype auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+
+class _Unbounded:
+    """The same engine with its capacity hidden: every episode plays every round."""
+
+    def __init__(self, backend):
+        self.backend, self.name = backend, backend.name
+
+    def generate(self, prompts, params):
+        return self.backend.generate(prompts, params)
+
+
+def main() -> None:
+    from trace_assets.agent.model import load_tokenizer
+    from trace_assets.agent.rollout import run_rollouts
+    from trace_assets.agent.vllm_backend import VLLMBackend, VLLMEngine, VLLMOptions
+    from trace_assets.cli import served_base_model
+    from trace_assets.envs import get_environment
+    from trace_assets.envs.splits import make_splits
+    from trace_assets.route.evaluation import greedy_rollout_config
+    from trace_assets.settings import load_settings
+    from resources.models import ModelResource
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="agent folder (default: the latest base_agent)")
+    parser.add_argument("--per-family", type=int, default=None, help="train tasks per family (default: the demo's)")
+    parser.add_argument("--kv-gb", type=float, default=None, help="KV cache in GiB (default: the settings')")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--order", default="unbounded,admitted", help="variants, in the order they run")
+    args = parser.parse_args()
+
+    settings = load_settings()
+    path = args.model or served_base_model()
+    env = get_environment(settings.tasks.env)
+    tasks = make_splits(env, demo_per_family=settings.tasks.demo_per_family,
+                        train_per_family=args.per_family or settings.tasks.train_per_family,
+                        test_per_family=settings.tasks.test_per_family, seed=settings.tasks.seed)["train"]
+    tokenizer = load_tokenizer(path)
+    config = greedy_rollout_config(settings)
+    dtype = ModelResource(vllm_dtype=args.dtype).resolved_vllm_dtype()
+    kv_gb = args.kv_gb or settings.generation.vllm_kv_cache_gb
+    start = time.perf_counter()
+    engine = VLLMEngine(path, VLLMOptions(enable_lora=False, dtype=dtype, kv_cache_gb=kv_gb))
+    console = Console()
+    console.print(f"engine: {dtype}, {kv_gb} GiB KV = {engine.kv_capacity_tokens:,} tokens, started in "
+                  f"{time.perf_counter() - start:.1f} s; {len(tasks)} train tasks, {path}")
+    rows, tokens_of = {}, {}
+    for variant in args.order.split(","):
+        engine.llm.reset_prefix_cache()
+        engine.prompt_tokens = engine.cached_tokens = 0
+        backend = VLLMBackend(engine)
+        calls = []
+
+        def record(prompts, params, _generate=backend.generate):
+            calls.append(len(prompts))
+            return _generate(prompts, params)
+
+        backend.generate = record
+        runner = backend if variant == "admitted" else _Unbounded(backend)
+        began = time.perf_counter()
+        rollouts = run_rollouts(env, tasks, runner, tokenizer, config)
+        wall = time.perf_counter() - began
+        tokens_of[variant] = [r.token_ids for r in rollouts]
+        generated = sum(r.n_generated for r in rollouts)
+        rows[variant] = (wall, generated, engine.prompt_tokens, engine.cached_tokens, len(calls), max(calls),
+                         sum(r.result.success for r in rollouts), len(rollouts))
+        console.print(f"{variant}: {wall:.1f} s")
+    first = next(iter(tokens_of.values()))
+    table = Table(title=f"greedy base-agent episodes, {len(tasks)} train tasks, vLLM {dtype}, KV {engine.kv_capacity_tokens:,} tokens")
+    for column in ("variant", "wall (s)", "generated", "tok/s", "prompt tokens", "prefilled", "cache hits",
+                   "rounds", "most in a round", "success", "same episodes", "wall / first"):
+        table.add_column(column, justify="right")
+    base_wall = next(iter(rows.values()))[0]
+    for variant, (wall, generated, prompt, cached, rounds, widest, wins, n) in rows.items():
+        table.add_row(variant, f"{wall:.1f}", str(generated), f"{generated / wall:.1f}", f"{prompt:,}", f"{prompt - cached:,}",
+                      f"{cached / max(prompt, 1):.1%}", str(rounds), str(widest), f"{wins}/{n}",
+                      "yes" if tokens_of[variant] == first else "no", f"{wall / base_wall:.2f}")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -40,14 +40,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def task_list(env: Any, settings: Any, split: str) -> list[Any]:
     """The split's tasks as the pipeline's ``task_splits`` makes them (official where the target has one)."""
-    from trace_assets.envs.splits import make_splits
+    from trace_assets.envs.splits import configured_splits
 
     official = getattr(env, "official_splits", None)
     if official is not None:
         return list(official()[split])
-    t = settings.tasks
-    return make_splits(env, demo_per_family=t.demo_per_family, train_per_family=t.train_per_family,
-                       test_per_family=t.test_per_family, seed=t.seed)[split]
+    return configured_splits(env, settings.tasks)[split]
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

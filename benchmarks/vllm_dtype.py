@@ -23,7 +23,7 @@ def main() -> None:
     from trace_assets.agent.vllm_backend import VLLMBackend, VLLMEngine, VLLMOptions
     from trace_assets.cli import served_base_model
     from trace_assets.envs import get_environment
-    from trace_assets.envs.splits import make_splits
+    from trace_assets.envs.splits import configured_splits
     from trace_assets.route.evaluation import greedy_rollout_config
     from trace_assets.settings import load_settings
 
@@ -35,9 +35,7 @@ def main() -> None:
     settings = load_settings()
     path = args.model or served_base_model()
     env = get_environment(settings.tasks.env)
-    tasks = make_splits(env, demo_per_family=settings.tasks.demo_per_family,
-                        train_per_family=args.per_family or settings.tasks.train_per_family,
-                        test_per_family=settings.tasks.test_per_family, seed=settings.tasks.seed)["train"]
+    tasks = configured_splits(env, settings.tasks, train_per_family=args.per_family or settings.tasks.train_per_family)["train"]
     tokenizer = load_tokenizer(path)
     config = greedy_rollout_config(settings)
     rows = {}

@@ -24,7 +24,7 @@ from resources.store import PIPELINE_SOURCE, TraceStore
 from trace_assets import paths
 from trace_assets.paths import folder_checksum
 from trace_assets.envs import get_environment
-from trace_assets.envs.splits import make_splits, split_overlaps, tasks_of
+from trace_assets.envs.splits import configured_splits, split_overlaps, tasks_of
 from trace_assets.figures import success_by_family, to_markdown
 from trace_assets.hashing import stable_hash
 from trace_assets.settings import Settings
@@ -49,10 +49,7 @@ def build_foundation_assets(settings: Settings) -> list[AssetsDefinition]:
         held out for measurement only.
         """
         env = get_environment(task_cfg.env)
-        splits = make_splits(
-            env, demo_per_family=task_cfg.demo_per_family, train_per_family=task_cfg.train_per_family,
-            test_per_family=task_cfg.test_per_family, seed=task_cfg.seed,
-        )
+        splits = configured_splits(env, task_cfg)
         overlaps = split_overlaps(splits)
         if overlaps:  # the test split must be unseen by Steps 1-3, by task and by database
             raise Failure(f"task_splits: the test split overlaps what Steps 1-3 see: {overlaps[:5]}")

@@ -68,6 +68,16 @@ def make_splits(env: Environment, *, demo_per_family: int, train_per_family: int
     return out
 
 
+def configured_splits(env: Environment, tasks: Any, **counts: int) -> dict[str, list[Task]]:
+    """:func:`make_splits` as ``tasks`` (the ``[tasks]`` settings) configures it; ``counts``
+    (``demo_per_family`` ...) override its sizes, e.g. a benchmark playing more train tasks."""
+    sizes = {k: getattr(tasks, k) for k in ("demo_per_family", "train_per_family", "test_per_family")}
+    unknown = set(counts) - set(sizes)
+    if unknown:
+        raise TypeError(f"configured_splits: unknown counts {sorted(unknown)}")
+    return make_splits(env, **{**sizes, **counts}, seed=tasks.seed)
+
+
 def split_overlaps(splits: dict[str, list[Task]]) -> list[str]:
     """What the ``test`` split shares with the ``demo`` and ``train`` splits (the tasks Steps 1-3
     see) or with itself: a task id, or a database seed (``task.seed``, the seed of

@@ -31,7 +31,7 @@ class _Unbounded:
 
 def main() -> None:
     from trace_assets.agent.model import load_tokenizer
-    from trace_assets.agent.rollout import run_rollouts
+    from trace_assets.agent.rollout import _common_prefix_length, run_rollouts
     from trace_assets.agent.vllm_backend import VLLMBackend, VLLMEngine, VLLMOptions
     from trace_assets.cli import served_base_model
     from trace_assets.envs import get_environment
@@ -58,7 +58,7 @@ def main() -> None:
     kv_gb = args.kv_gb or settings.generation.vllm_kv_cache_gb
     start = time.perf_counter()
     engine = VLLMEngine(path, VLLMOptions(enable_lora=False, dtype=dtype, kv_cache_gb=kv_gb))
-    console = Console()
+    console = Console(width=200)
     console.print(f"engine: {dtype}, {kv_gb} GiB KV = {engine.kv_capacity_tokens:,} tokens, started in "
                   f"{time.perf_counter() - start:.1f} s; {len(tasks)} train tasks, {path}")
     rows, tokens_of = {}, {}
@@ -69,7 +69,8 @@ def main() -> None:
         calls = []
 
         def record(prompts, params, _generate=backend.generate):
-            calls.append(len(prompts))
+            shared = _common_prefix_length(prompts)
+            calls.append((len(prompts), shared + sum(len(p) - shared for p in prompts)))
             return _generate(prompts, params)
 
         backend.generate = record
@@ -79,18 +80,19 @@ def main() -> None:
         wall = time.perf_counter() - began
         tokens_of[variant] = [r.token_ids for r in rollouts]
         generated = sum(r.n_generated for r in rollouts)
-        rows[variant] = (wall, generated, engine.prompt_tokens, engine.cached_tokens, len(calls), max(calls),
+        rows[variant] = (wall, generated, engine.prompt_tokens, engine.cached_tokens, len(calls),
+                         max(n for n, _ in calls), max(t for _, t in calls),
                          sum(r.result.success for r in rollouts), len(rollouts))
         console.print(f"{variant}: {wall:.1f} s")
     first = next(iter(tokens_of.values()))
     table = Table(title=f"greedy base-agent episodes, {len(tasks)} train tasks, vLLM {dtype}, KV {engine.kv_capacity_tokens:,} tokens")
     for column in ("variant", "wall (s)", "generated", "tok/s", "prompt tokens", "prefilled", "cache hits",
-                   "rounds", "most in a round", "success", "same episodes", "wall / first"):
+                   "rounds", "most in a round", "peak prompt tokens", "success", "same episodes", "wall / first"):
         table.add_column(column, justify="right")
     base_wall = next(iter(rows.values()))[0]
-    for variant, (wall, generated, prompt, cached, rounds, widest, wins, n) in rows.items():
+    for variant, (wall, generated, prompt, cached, rounds, widest, peak, wins, n) in rows.items():
         table.add_row(variant, f"{wall:.1f}", str(generated), f"{generated / wall:.1f}", f"{prompt:,}", f"{prompt - cached:,}",
-                      f"{cached / max(prompt, 1):.1%}", str(rounds), str(widest), f"{wins}/{n}",
+                      f"{cached / max(prompt, 1):.1%}", str(rounds), str(widest), f"{peak:,}", f"{wins}/{n}",
                       "yes" if tokens_of[variant] == first else "no", f"{wall / base_wall:.2f}")
     console.print(table)
 

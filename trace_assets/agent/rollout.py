@@ -34,14 +34,16 @@ boundary is at a special token, so:
 * ``env_mask`` is 1 exactly on generated tokens, and ``logprobs`` (aligned with ``token_ids``) holds
   the backend's log-probs there and 0.0 elsewhere.
 
-Admission: a backend with a bounded KV cache (``kv_capacity_tokens``: vLLM) gets at most the
-episodes whose tokens it holds. Episodes are admitted in task order while the live episodes' tokens
-(the shared system + tools prefix counted once, each with room for ``max_new_tokens``) fit in
-``KV_FILL`` of it; the others wait for a live one to end. Why: every episode's next turn reuses its
-cached KV blocks only if they are still there. With more episodes than the cache holds, each round
-evicted the blocks of the episodes that finished their turn first, so their next turn prefilled the
-whole conversation again, round after round. When every episode fits from the start, all of them
-run together, as without a bound (the same batches, hence the same rollouts at any temperature).
+Admission: a backend with a bounded KV cache (``kv_capacity_tokens``: vLLM) gets, each round, the
+running episodes in task order while their tokens (the shared system + tools prefix counted once,
+each with room for ``max_new_tokens``) fit in ``KV_FILL`` of it; the others wait for a round in
+which they fit. Why: a conversation's next turn reuses its cached KV blocks only if they are still
+there. With more episodes in a round than the cache holds, each round evicted the blocks of the
+episodes that had finished their turn first, so their next turn prefilled the whole conversation
+again, round after round. The first episodes always go first, so the same ones keep their cache
+until one ends. When every episode fits, every round plays all of them, as without a bound (the
+same batches, hence the same rollouts at any temperature); when some wait, greedy rollouts are the
+same and sampled ones are drawn in other batches.
 
 Seeds: round r of a call uses sampling seed ``derive_seed(config.seed, r)``. So the same tasks,
 config and backend batch size reproduce the same rollouts, at T = 0 and at T > 0. Samples within one
@@ -276,24 +278,27 @@ class _Admission:
     """Which episodes play the next round (the module docstring's "Admission")."""
 
     def __init__(self, lives: list[_Live], capacity: int | None, max_new_tokens: int) -> None:
-        self.waiting = [live for live in lives if not live.done]
-        self.admitted: list[_Live] = []
+        self.lives = lives
         self.budget = None if capacity is None else int(capacity * KV_FILL)
         self.max_new_tokens = max_new_tokens
-        self.shared = _common_prefix_length([live.rollout.token_ids for live in self.waiting])
-
-    def _demand(self, lives: list[_Live]) -> int:
-        return self.shared + sum(len(live.rollout.token_ids) - self.shared + self.max_new_tokens for live in lives)
+        self.shared = _common_prefix_length([live.rollout.token_ids for live in lives if not live.done])
 
     def live(self) -> list[_Live]:
-        """The admitted episodes still running, after admitting every waiting one that fits
-        (at least one, so that an episode larger than the cache still plays)."""
-        running = [live for live in self.admitted if not live.done]
-        while self.waiting and (self.budget is None or not running
-                                or self._demand(running + self.waiting[:1]) <= self.budget):
-            running.append(self.waiting.pop(0))
-        self.admitted = running
-        return running
+        """The running episodes that play this round: all of them, or the first ones in task order
+        whose tokens fit in the budget (at least one, so that an episode larger than the cache
+        still plays). Always the first ones: the same episodes keep their place, and their cache,
+        round after round, until one of them ends."""
+        running = [live for live in self.lives if not live.done]
+        if self.budget is None:
+            return running
+        chosen, demand = [], self.shared
+        for live in running:
+            need = len(live.rollout.token_ids) - self.shared + self.max_new_tokens
+            if chosen and demand + need > self.budget:
+                break
+            chosen.append(live)
+            demand += need
+        return chosen
 
 
 def _common_prefix_length(sequences: list[list[int]]) -> int:
@@ -357,7 +362,7 @@ def run_rollouts(
             active.append(live)
         report()
         if not active:
-            if admit.waiting:  # every admitted episode ended before generating: admit the next
+            if not all(live.done for live in lives):  # the round's episodes all ended before generating
                 continue
             break
         params = SamplingParams(

@@ -30,15 +30,10 @@ class _Unbounded:
 
 
 def main() -> None:
-    from trace_assets.agent.model import load_tokenizer
     from trace_assets.agent.rollout import _common_prefix_length, run_rollouts
     from trace_assets.agent.vllm_backend import VLLMBackend, VLLMEngine, VLLMOptions
-    from trace_assets.cli import served_base_model
-    from trace_assets.envs import get_environment
-    from trace_assets.envs.splits import configured_splits
-    from trace_assets.route.evaluation import greedy_rollout_config
-    from trace_assets.settings import load_settings
     from resources.models import ModelResource
+    from vllm_dtype import greedy_train_workload
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="agent folder (default: the latest base_agent)")
@@ -48,12 +43,7 @@ def main() -> None:
     parser.add_argument("--order", default="unbounded,admitted", help="variants, in the order they run")
     args = parser.parse_args()
 
-    settings = load_settings()
-    path = args.model or served_base_model()
-    env = get_environment(settings.tasks.env)
-    tasks = configured_splits(env, settings.tasks, train_per_family=args.per_family or settings.tasks.train_per_family)["train"]
-    tokenizer = load_tokenizer(path)
-    config = greedy_rollout_config(settings)
+    settings, path, env, tasks, tokenizer, config = greedy_train_workload(args.model, args.per_family)
     dtype = ModelResource(vllm_dtype=args.dtype).resolved_vllm_dtype()
     kv_gb = args.kv_gb or settings.generation.vllm_kv_cache_gb
     start = time.perf_counter()

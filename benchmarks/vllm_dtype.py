@@ -17,27 +17,33 @@ from rich.console import Console
 from rich.table import Table
 
 
-def main() -> None:
+def greedy_train_workload(model: str | None, per_family: int | None):
+    """``(settings, agent folder, env, train tasks, tokenizer, greedy rollout config)``: what
+    ``base_trajectories`` plays on the train split (never test), for the rollout benchmarks."""
     from trace_assets.agent.model import load_tokenizer
-    from trace_assets.agent.rollout import run_rollouts
-    from trace_assets.agent.vllm_backend import VLLMBackend, VLLMEngine, VLLMOptions
     from trace_assets.cli import served_base_model
     from trace_assets.envs import get_environment
     from trace_assets.envs.splits import configured_splits
     from trace_assets.route.evaluation import greedy_rollout_config
     from trace_assets.settings import load_settings
 
+    settings = load_settings()
+    path = model or served_base_model()
+    env = get_environment(settings.tasks.env)
+    tasks = configured_splits(env, settings.tasks, train_per_family=per_family or settings.tasks.train_per_family)["train"]
+    return settings, path, env, tasks, load_tokenizer(path), greedy_rollout_config(settings)
+
+
+def main() -> None:
+    from trace_assets.agent.rollout import run_rollouts
+    from trace_assets.agent.vllm_backend import VLLMBackend, VLLMEngine, VLLMOptions
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="agent folder (default: the latest base_agent)")
     parser.add_argument("--per-family", type=int, default=None, help="train tasks per family (default: the demo's)")
     args = parser.parse_args()
 
-    settings = load_settings()
-    path = args.model or served_base_model()
-    env = get_environment(settings.tasks.env)
-    tasks = configured_splits(env, settings.tasks, train_per_family=args.per_family or settings.tasks.train_per_family)["train"]
-    tokenizer = load_tokenizer(path)
-    config = greedy_rollout_config(settings)
+    settings, path, env, tasks, tokenizer, config = greedy_train_workload(args.model, args.per_family)
     rows = {}
     for dtype in ("float32", "bfloat16"):
         start = time.perf_counter()

@@ -172,8 +172,10 @@ def test_a_bf16_engine_fails_where_its_rounding_exceeds_the_adapter(realistic, t
 @vllm_only
 def test_demo_model_weight_sync_keeps_a_small_adapter_in_fp32_and_bf16(tokenizer, tmp_path) -> None:
     """The demo model with a realistic adapter through the paths the demo uses (vLLM weight sync in
-    the dtype ``auto`` picks): fp32 exact; bf16 within the tolerance (the review measured r 0.976)."""
-    from trace_assets.agent.lora import null_adapter
+    the dtype ``auto`` picks): fp32 exact; bf16 within the tolerance (the review measured r 0.976),
+    where bf16 is native. Elsewhere ``auto`` never runs bf16, emulated bf16 scoring took 230 s of
+    this test's 445 s, and the tiny-model bf16 tests above still run."""
+    from trace_assets.agent.lora import bf16_supported, null_adapter
     from trace_assets.agent.model import ensure_demo_model, load_model
     from trace_assets.agent.vllm_backend import VLLMBackend, VLLMEngine
 
@@ -185,7 +187,8 @@ def test_demo_model_weight_sync_keeps_a_small_adapter_in_fp32_and_bf16(tokenizer
     peft = fidelity.small_norm_adapter(model, probe, steps=4, lr=1e-4)
     peft.save_pretrained(str(tmp_path / "adapter"))
     peft.load_adapter(str(null_adapter(tmp_path / "adapter", tmp_path / "null")), adapter_name="null")
-    for dtype, tolerance in (("float32", TIGHT), ("bfloat16", fidelity.DEFAULT_TOLERANCE)):
+    dtypes = [("float32", TIGHT)] + ([("bfloat16", fidelity.DEFAULT_TOLERANCE)] if bf16_supported() else [])
+    for dtype, tolerance in dtypes:
         engine = VLLMEngine.shared(path, demo_engine_options(dtype))
         peft.set_adapter("default")
         report = fidelity.check_backend(f"vllm weights {dtype}", peft, VLLMBackend(engine, peft_model=peft, sync="weights"), probe)

@@ -7,7 +7,13 @@ It prints wall time, generated tokens/s, the prompt tokens prefilled against tho
 prefix cache, and whether both variants played token-identical episodes, with the ratio of their
 wall times measured in this run. Train-side tasks only (never test).
 
+Each variant's figures also go into ``<data>/reports/episode_admission.json`` (one entry per agent,
+dtype, cache size, episode count and variant; a new run replaces its own entries and keeps the
+others), from which ``trace readme`` generates the README's table. ``--budget-s`` stops a variant
+at the first round after that many seconds; the entry then says it did not finish.
+
     .venv/bin/python benchmarks/episode_admission.py [--model PATH] [--per-family 6] [--kv-gb 2] [--dtype auto]
+        [--order unbounded,admitted] [--budget-s SECONDS]
 """
 
 from __future__ import annotations
@@ -29,10 +35,16 @@ class _Unbounded:
         return self.backend.generate(prompts, params)
 
 
+class _OverBudget(Exception):
+    """A variant ran past ``--budget-s``; raised before its next round."""
+
+
 def main() -> None:
     from trace_assets.agent.rollout import _common_prefix_length, run_rollouts
     from trace_assets.agent.vllm_backend import VLLMBackend, VLLMEngine, VLLMOptions
     from resources.models import ModelResource
+    from trace_assets import reports
+    from trace_assets.hashing import stable_hash
     from vllm_dtype import greedy_train_workload
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -41,6 +53,7 @@ def main() -> None:
     parser.add_argument("--kv-gb", type=float, default=None, help="KV cache in GiB (default: the settings')")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--order", default="unbounded,admitted", help="variants, in the order they run")
+    parser.add_argument("--budget-s", type=float, default=None, help="stop a variant after this many seconds")
     args = parser.parse_args()
 
     settings, path, env, tasks, tokenizer, config = greedy_train_workload(args.model, args.per_family)
@@ -58,22 +71,42 @@ def main() -> None:
         backend = VLLMBackend(engine)
         calls = []
 
+        began = time.perf_counter()
+
         def record(prompts, params, _generate=backend.generate):
+            if args.budget_s is not None and time.perf_counter() - began > args.budget_s:
+                raise _OverBudget
             shared = _common_prefix_length(prompts)
             calls.append((len(prompts), shared + sum(len(p) - shared for p in prompts)))
             return _generate(prompts, params)
 
         backend.generate = record
         runner = backend if variant == "admitted" else _Unbounded(backend)
-        began = time.perf_counter()
-        rollouts = run_rollouts(env, tasks, runner, tokenizer, config)
+        try:
+            rollouts = run_rollouts(env, tasks, runner, tokenizer, config)
+        except _OverBudget:
+            rollouts = None
         wall = time.perf_counter() - began
-        tokens_of[variant] = [r.token_ids for r in rollouts]
-        generated = sum(r.n_generated for r in rollouts)
-        rows[variant] = (wall, generated, engine.prompt_tokens, engine.cached_tokens, len(calls),
-                         max(n for n, _ in calls), max(t for _, t in calls),
-                         sum(r.result.success for r in rollouts), len(rollouts))
-        console.print(f"{variant}: {wall:.1f} s")
+        entry = {"agent": str(path), "dtype": dtype, "kv_gb": kv_gb, "kv_tokens": engine.kv_capacity_tokens,
+                 "episodes": len(tasks), "variant": variant, "finished": rollouts is not None,
+                 "wall_s": round(wall, 1), "rounds": len(calls), "most_in_a_round": max(n for n, _ in calls),
+                 "peak_round_tokens": max(t for _, t in calls), "prompt_tokens": engine.prompt_tokens,
+                 "cached_tokens": engine.cached_tokens}
+        if rollouts is None:
+            console.print(f"{variant}: not finished after {wall:.1f} s (--budget-s {args.budget_s:g})")
+        else:
+            tokens_of[variant] = [r.token_ids for r in rollouts]
+            generated = sum(r.n_generated for r in rollouts)
+            entry |= {"generated": generated, "successes": sum(r.result.success for r in rollouts),
+                      "episodes_hash": stable_hash(tokens_of[variant])}
+            rows[variant] = (wall, generated, engine.prompt_tokens, engine.cached_tokens, len(calls),
+                             max(n for n, _ in calls), max(t for _, t in calls),
+                             sum(r.result.success for r in rollouts), len(rollouts))
+            console.print(f"{variant}: {wall:.1f} s")
+        out = reports.record_admission(entry)
+        console.print(f"recorded in {out}")
+    if not rows:
+        return
     first = next(iter(tokens_of.values()))
     table = Table(title=f"greedy base-agent episodes, {len(tasks)} train tasks, vLLM {dtype}, KV {engine.kv_capacity_tokens:,} tokens")
     for column in ("variant", "wall (s)", "generated", "tok/s", "prompt tokens", "prefilled", "cache hits",

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from trace_assets.reports import ReadmeSectionError, readme_section, report_sections, splice, update_readme
+from trace_assets.reports import (
+    ReadmeSectionError, admission_section, readme_section, record_admission, report_sections, splice, update_readme,
+)
 
 
 def test_splice_replaces_only_between_the_markers():
@@ -49,6 +51,36 @@ def test_update_readme_writes_only_when_asked(tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads RSS from /proc")
+def _admission(variant, episodes=90, finished=True, wall=600.0, tokens_hash="h1"):
+    entry = {"agent": "/a", "dtype": "float32", "kv_gb": 2.0, "kv_tokens": 46592, "episodes": episodes,
+             "variant": variant, "finished": finished, "wall_s": wall, "rounds": 41, "most_in_a_round": 90,
+             "peak_round_tokens": 39629, "prompt_tokens": 1000, "cached_tokens": 916}
+    return entry | ({"generated": 10, "successes": 22, "episodes_hash": tokens_hash} if finished else {})
+
+
+def test_admission_runs_accumulate_per_variant_and_render_as_the_readme_table(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setenv("TRACE_DATA_DIR", str(tmp_path))
+    record_admission(_admission("unbounded", wall=100.0))
+    record_admission(_admission("admitted", wall=1175.9))
+    path = record_admission(_admission("unbounded", finished=False, wall=2400.0))  # replaces the first
+    record_admission(_admission("admitted", episodes=54, wall=618.0))
+    report = json.loads(path.read_text())
+    assert [(e["episodes"], e["variant"], e["wall_s"]) for e in report["entries"]] == [
+        (90, "admitted", 1175.9), (90, "unbounded", 2400.0), (54, "admitted", 618.0)]
+    table = admission_section(report)
+    rows = [line for line in table.splitlines() if line.startswith("| 54") or line.startswith("| 90")]
+    assert rows[0] == "| 54 | not measured | 618 s, 41 rounds of at most 90 episodes and 39,629 tokens, 91.6% prefix-cache hits, 22/54 success | n/a |"
+    assert rows[1].startswith("| 90 | not finished after 40 min (41 rounds) | 1,176 s, ") and rows[1].endswith("| n/a |")
+    assert "46,592 tokens" in table and "| episodes | all at once | admitted | same episodes |" in table
+    # Both finished: the row says whether they played the same episodes.
+    record_admission(_admission("unbounded", wall=2000.0))
+    assert admission_section(json.loads(path.read_text())).splitlines()[-1].endswith("| token-identical |")
+    record_admission(_admission("unbounded", wall=2000.0, tokens_hash="other"))
+    assert admission_section(json.loads(path.read_text())).splitlines()[-1].endswith("| differ |")
+
+
 def test_release_memory_hands_freed_heap_back_to_the_os():
     """Steps run in one process: a step's freed tensors must not stay in its RSS (glibc keeps freed
     heap pages; 64 KB tensors are below its mmap threshold)."""

@@ -130,6 +130,10 @@ def cmd_readme(args: argparse.Namespace) -> int:
         sources.append(experiment)
         if not args.check:
             paths.atomic_write(readme.parent / figure, (experiment.parent / "experiment_forest.png").read_bytes())
+    admission = folder / reports.ADMISSION_REPORT  # benchmarks/episode_admission.py's runs
+    if admission.exists():
+        sections[reports.ADMISSION_SECTION] = reports.admission_section(json.loads(admission.read_text()))
+        sources.append(admission)
     if not sources:
         console.print(f"[red]{report}: no demo report yet; run `make demo` first[/]")
         return 2

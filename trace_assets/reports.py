@@ -188,6 +188,55 @@ def write_report(name: str, markdown: str) -> Path:
     return paths.atomic_write(paths.sub("reports") / name, markdown)
 
 
+ADMISSION_REPORT = "episode_admission.json"
+ADMISSION_SECTION = "admission"
+_ADMISSION_KEY = ("agent", "dtype", "kv_tokens", "episodes", "variant")
+
+
+def record_admission(entry: Mapping[str, Any]) -> Path:
+    """Add one variant's figures from ``benchmarks/episode_admission.py`` to
+    ``reports/episode_admission.json``, with the machine it ran on, replacing the entry with the
+    same agent, dtype, cache size, episode count and variant (the others are kept)."""
+    path = paths.sub("reports") / ADMISSION_REPORT
+    entries = json.loads(path.read_text())["entries"] if path.exists() else []
+    key = tuple(entry[k] for k in _ADMISSION_KEY)
+    entries = [e for e in entries if tuple(e[k] for k in _ADMISSION_KEY) != key]
+    entries.append({**entry, "machine": machine(), "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat()})
+    return paths.atomic_write(path, json.dumps({"entries": entries}, indent=1))
+
+
+def admission_section(report: Mapping[str, Any]) -> str:
+    """The README's "Episodes in flight" table from ``reports/episode_admission.json``: a row per
+    episode count, a column per variant, one table per machine, dtype and cache size."""
+    groups: dict[tuple, list[Mapping[str, Any]]] = {}
+    for e in report["entries"]:
+        groups.setdefault((e["machine"]["cpu"], e["machine"]["cores"], e["dtype"], e["kv_gb"], e["kv_tokens"]), []).append(e)
+    parts = []
+    for (cpu, cores, dtype, kv_gb, kv_tokens), entries in groups.items():
+        variants = [v for v in ("unbounded", "admitted") if any(e["variant"] == v for e in entries)]
+        title = {"unbounded": "all at once", "admitted": "admitted"}
+        lines = [f"vLLM {dtype}, {kv_gb:g} GiB KV cache = {kv_tokens:,} tokens, {cores}-core {cpu}; "
+                 f"each cell a run of `benchmarks/episode_admission.py` of its own:", "",
+                 "| episodes | " + " | ".join(title[v] for v in variants) + " | same episodes |",
+                 "|---" * (len(variants) + 2) + "|"]
+        for n in sorted({e["episodes"] for e in entries}):
+            row = {e["variant"]: e for e in entries if e["episodes"] == n}
+            cells = [_admission_cell(row[v]) if v in row else "not measured" for v in variants]
+            compared = len(row) > 1 and all(e["finished"] for e in row.values())
+            same = ("token-identical" if len({e["episodes_hash"] for e in row.values()}) == 1 else "differ") if compared else "n/a"
+            lines.append(f"| {n} | " + " | ".join(cells) + f" | {same} |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def _admission_cell(e: Mapping[str, Any]) -> str:
+    if not e["finished"]:
+        return f"not finished after {e['wall_s'] / 60:.0f} min ({e['rounds']} rounds)"
+    hits = e["cached_tokens"] / max(e["prompt_tokens"], 1)
+    return (f"{e['wall_s']:,.0f} s, {e['rounds']} rounds of at most {e['most_in_a_round']} episodes and "
+            f"{e['peak_round_tokens']:,} tokens, {hits:.1%} prefix-cache hits, {e['successes']}/{e['episodes']} success")
+
+
 def readme_section(report: str) -> str:
     """The README's generated demo section from ``reports/demo.md``: its header, the per-asset
     table, the adapters, and router_eval's system, paired and null-control tables."""

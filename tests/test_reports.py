@@ -72,8 +72,8 @@ def test_admission_runs_accumulate_per_variant_and_render_as_the_readme_table(tm
     table = admission_section(report)
     rows = [line for line in table.splitlines() if line.startswith("| 54") or line.startswith("| 90")]
     assert rows[0] == "| 54 | not measured | 618 s, 41 rounds of at most 90 episodes and 39,629 tokens, 91.6% prefix-cache hits, 22/54 success | n/a |"
-    assert rows[1].startswith("| 90 | not finished after 40 min (41 rounds) | 1,176 s, ") and rows[1].endswith("| n/a |")
-    assert "46,592 tokens" in table and "| episodes | all at once | admitted | same episodes |" in table
+    assert rows[1].startswith("| 90 | not finished after 40 min: 41 rounds of at most 39,629 tokens, 91.6% prefix-cache hits so far | 1,176 s, ") and rows[1].endswith("| n/a |")
+    assert "46,592 tokens, 2-core " in table and "bf16)" in table and "| episodes | all at once | admitted | same episodes |" in table
     # Both finished: the row says whether they played the same episodes.
     record_admission(_admission("unbounded", wall=2000.0))
     assert admission_section(json.loads(path.read_text())).splitlines()[-1].endswith("| token-identical |")

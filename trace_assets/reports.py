@@ -210,13 +210,14 @@ def admission_section(report: Mapping[str, Any]) -> str:
     episode count, a column per variant, one table per machine, dtype and cache size."""
     groups: dict[tuple, list[Mapping[str, Any]]] = {}
     for e in report["entries"]:
-        groups.setdefault((e["machine"]["cpu"], e["machine"]["cores"], e["dtype"], e["kv_gb"], e["kv_tokens"]), []).append(e)
+        m = e["machine"]
+        cpu = f"{m['cores']}-core {m['cpu']} ({'native' if m['avx512_bf16'] else 'no native'} bf16)"
+        groups.setdefault((cpu, e["dtype"], e["kv_gb"], e["kv_tokens"]), []).append(e)
     parts = []
-    for (cpu, cores, dtype, kv_gb, kv_tokens), entries in groups.items():
+    for (cpu, dtype, kv_gb, kv_tokens), entries in groups.items():
         variants = [v for v in ("unbounded", "admitted") if any(e["variant"] == v for e in entries)]
         title = {"unbounded": "all at once", "admitted": "admitted"}
-        lines = [f"vLLM {dtype}, {kv_gb:g} GiB KV cache = {kv_tokens:,} tokens, {cores}-core {cpu}; "
-                 f"each cell a run of `benchmarks/episode_admission.py` of its own:", "",
+        lines = [f"vLLM {dtype}, {kv_gb:g} GiB KV cache = {kv_tokens:,} tokens, {cpu}:", "",
                  "| episodes | " + " | ".join(title[v] for v in variants) + " | same episodes |",
                  "|---" * (len(variants) + 2) + "|"]
         for n in sorted({e["episodes"] for e in entries}):
@@ -230,9 +231,10 @@ def admission_section(report: Mapping[str, Any]) -> str:
 
 
 def _admission_cell(e: Mapping[str, Any]) -> str:
-    if not e["finished"]:
-        return f"not finished after {e['wall_s'] / 60:.0f} min ({e['rounds']} rounds)"
     hits = e["cached_tokens"] / max(e["prompt_tokens"], 1)
+    if not e["finished"]:
+        return (f"not finished after {e['wall_s'] / 60:.0f} min: {e['rounds']} rounds of at most "
+                f"{e['peak_round_tokens']:,} tokens, {hits:.1%} prefix-cache hits so far")
     return (f"{e['wall_s']:,.0f} s, {e['rounds']} rounds of at most {e['most_in_a_round']} episodes and "
             f"{e['peak_round_tokens']:,} tokens, {hits:.1%} prefix-cache hits, {e['successes']}/{e['episodes']} success")
 

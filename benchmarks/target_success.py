@@ -4,7 +4,8 @@ The base_trajectories asset's rollouts, outside the pipeline: the same runner, t
 ``[rollout]`` limits and generation path (``ModelResource.backend_for``: vLLM where it runs), on
 the tasks of one split of a registered target (``tau2_airline``: its official split; ``retail``:
 the pipeline's ``task_splits`` draw). Nothing is stored: it prints a rich table per family and
-the total (success, mean reward, turns, generated tokens, wall time, episodes per second) and
+the total (success, mean reward, turns, generated tokens, wall time, episodes per second, and the
+episodes that failed one check alone: what a single capability would have to fix) and
 writes ``<out>.json`` with every episode's task id, reward, success and the per-check breakdown.
 Which split it reads is the caller's choice and is printed; choosing anything by the ``test``
 split is what the pipeline never does.
@@ -19,7 +20,7 @@ import argparse
 import json
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -99,14 +100,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for e in episodes:
         by_family[e["family"]].append(e)
     table = Table(title=f"{args.env} {args.split} split, greedy")
-    for col in ("family", "tasks", "success", "mean reward", "mean turns", "errors"):
+    for col in ("family", "tasks", "success", "mean reward", "mean turns", "errors", "failing one check alone"):
         table.add_column(col, justify="right" if col != "family" else "left")
 
     def row(name: str, es: list[dict[str, Any]]) -> list[str]:
         n = max(len(es), 1)
+        alone = ", ".join(f"{check} {count}" for check, count in sorted(sole_failures(es).items()))
         return [name, str(len(es)), f"{sum(e['success'] for e in es)}/{len(es)}",
                 f"{sum(e['reward'] for e in es) / n:.3f}", f"{sum(e['turns'] for e in es) / n:.1f}",
-                str(sum(bool(e["error"]) for e in es))]
+                str(sum(bool(e["error"]) for e in es)), alone or "-"]
 
     for family in sorted(by_family):
         table.add_row(*row(family, by_family[family]))
@@ -130,6 +132,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     paths.atomic_write(out.with_suffix(".json"), json.dumps({**summary, "episodes": episodes}, indent=1, default=str))
     console.print(f"wrote {out.with_suffix('.json')}")
     return summary
+
+
+def sole_failures(episodes: Sequence[dict[str, Any]]) -> Counter:
+    """Per check id, the episodes that failed that check and no other (``info["checks"]``): the
+    failures that one capability alone would have to fix."""
+    alone: Counter = Counter()
+    for e in episodes:
+        failed = [c["id"] for c in e.get("checks") or [] if not c["passed"]]
+        if len(failed) == 1:
+            alone[failed[0]] += 1
+    return alone
 
 
 if __name__ == "__main__":

@@ -91,6 +91,17 @@ def test_lacking_families_come_from_the_train_side_labels(tmp_path, monkeypatch)
     assert store.lacking_families("ask_for_missing_info", train) == []
 
 
+def test_target_success_counts_the_episodes_that_fail_one_check_alone():
+    from benchmarks.target_success import sole_failures
+
+    def episode(*failed):
+        return {"checks": [{"id": c, "passed": c not in failed} for c in ("state_match", "info_communicated", "confirmed_writes")]}
+
+    episodes = [episode("confirmed_writes"), episode("confirmed_writes"), episode("state_match", "confirmed_writes"),
+                episode(), episode("info_communicated"), {"checks": None}]
+    assert sole_failures(episodes) == {"confirmed_writes": 2, "info_communicated": 1}
+
+
 def test_each_seed_is_written_as_it_ends_and_resume_reuses_only_what_measured_the_same(tmp_path, monkeypatch,
                                                                                        tiny_model_path):
     monkeypatch.setenv("TRACE_DATA_DIR", str(tmp_path / "data"))

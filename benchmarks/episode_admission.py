@@ -99,9 +99,7 @@ def main() -> None:
             generated = sum(r.n_generated for r in rollouts)
             entry |= {"generated": generated, "successes": sum(r.result.success for r in rollouts),
                       "episodes_hash": stable_hash(tokens_of[variant])}
-            rows[variant] = (wall, generated, engine.prompt_tokens, engine.cached_tokens, len(calls),
-                             max(n for n, _ in calls), max(t for _, t in calls),
-                             sum(r.result.success for r in rollouts), len(rollouts))
+            rows[variant] = entry
             console.print(f"{variant}: {wall:.1f} s")
         out = reports.record_admission(entry)
         console.print(f"recorded in {out}")
@@ -112,11 +110,13 @@ def main() -> None:
     for column in ("variant", "wall (s)", "generated", "tok/s", "prompt tokens", "prefilled", "cache hits",
                    "rounds", "most in a round", "peak prompt tokens", "success", "same episodes", "wall / first"):
         table.add_column(column, justify="right")
-    base_wall = next(iter(rows.values()))[0]
-    for variant, (wall, generated, prompt, cached, rounds, widest, peak, wins, n) in rows.items():
-        table.add_row(variant, f"{wall:.1f}", str(generated), f"{generated / wall:.1f}", f"{prompt:,}", f"{prompt - cached:,}",
-                      f"{cached / max(prompt, 1):.1%}", str(rounds), str(widest), f"{peak:,}", f"{wins}/{n}",
-                      "yes" if tokens_of[variant] == first else "no", f"{wall / base_wall:.2f}")
+    base_wall = next(iter(rows.values()))["wall_s"]
+    for variant, e in rows.items():
+        prompt, cached = e["prompt_tokens"], e["cached_tokens"]
+        table.add_row(variant, f"{e['wall_s']:.1f}", str(e["generated"]), f"{e['generated'] / e['wall_s']:.1f}",
+                      f"{prompt:,}", f"{prompt - cached:,}", f"{cached / max(prompt, 1):.1%}", str(e["rounds"]),
+                      str(e["most_in_a_round"]), f"{e['peak_round_tokens']:,}", f"{e['successes']}/{e['episodes']}",
+                      "yes" if tokens_of[variant] == first else "no", f"{e['wall_s'] / base_wall:.2f}")
     console.print(table)
 
 

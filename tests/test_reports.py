@@ -50,7 +50,6 @@ def test_update_readme_writes_only_when_asked(tmp_path):
     assert update_readme(readme, {"demo": "x"}) is False
 
 
-@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads RSS from /proc")
 def _admission(variant, episodes=90, finished=True, wall=600.0, tokens_hash="h1"):
     entry = {"agent": "/a", "dtype": "float32", "kv_gb": 2.0, "kv_tokens": 46592, "episodes": episodes,
              "variant": variant, "finished": finished, "wall_s": wall, "rounds": 41, "most_in_a_round": 90,
@@ -81,6 +80,7 @@ def test_admission_runs_accumulate_per_variant_and_render_as_the_readme_table(tm
     assert admission_section(json.loads(path.read_text())).splitlines()[-1].endswith("| differ |")
 
 
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads RSS from /proc")
 def test_release_memory_hands_freed_heap_back_to_the_os():
     """Steps run in one process: a step's freed tensors must not stay in its RSS (glibc keeps freed
     heap pages; 64 KB tensors are below its mmap threshold)."""

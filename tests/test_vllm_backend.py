@@ -192,8 +192,8 @@ def test_weight_sync_serves_the_adapter_and_restores_the_base_exactly(
     model, tokenizer = tiny_hf
     peft = _random_peft(tiny_model_path, 5, ["q_proj", "v_proj", "down_proj"], scale=8.0)
     prompts = _retail_prompts(tokenizer, 3)
-    # From a cold cache, as every call after a weight load is: blocks cached by earlier tests' batches
-    # of other shapes differ in the last bits on CPUs whose kernels block by batch size.
+    # From a cold cache, as every call after a weight load is: prefix blocks cached by the fidelity
+    # tests' batches (another prefill shape) differ in the last bits on some CPUs (a 2-core EPYC).
     tiny_plain_engine.llm.reset_prefix_cache()
     base_before = VLLMBackend(tiny_plain_engine).generate(prompts, GREEDY)
 

@@ -177,10 +177,12 @@ def target_test(model: Any, tokenizer: Any, pool: Any, eval_config: Any, *, out:
 
 def learning_curve(agent: str, tokenizer: Any, env: Any, config: Any, eval_config: Any, *, seed: int,
                    eval_every: int, backend_factory: Any, device: str, log: Any,
-                   target: tuple[Any, Any] | None = None, target_base: bool = False) -> dict[str, Any]:
+                   target: tuple[Any, Any] | None = None, target_base: bool = False,
+                   save_to: Path | None = None) -> dict[str, Any]:
     """One training seed: GRPO from a fresh adapter on ``agent``, evaluated before training and
     every ``eval_every`` iterations (and after the last); then, given ``target = (pool, config)``,
-    :func:`target_test` (the base too when ``target_base``). See the module docstring."""
+    :func:`target_test` (the base too when ``target_base``). The trained adapter is saved to
+    ``save_to`` when given. See the module docstring."""
     import torch
 
     from trace_assets.agent.model import load_model
@@ -216,6 +218,9 @@ def learning_curve(agent: str, tokenizer: Any, env: Any, config: Any, eval_confi
             if trainer.iteration % eval_every == 0 or trainer.iteration == config.iterations:
                 evaluate()
         generation = getattr(trainer.backend, "name", type(trainer.backend).__name__)
+        if save_to is not None:
+            trainer.model.save_pretrained(str(save_to))
+            log(f"seed {seed}: adapter saved to {save_to}")
         tested = (target_test(trainer.model, tokenizer, *target, out=Path(out), seed=seed, base=target_base,
                               backend_factory=backend_factory, log=log) if target else None)
     return {"seed": seed, "points": points, "history": [m.to_dict() for m in trainer.history],
@@ -351,6 +356,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="--target-test on these families, comma-separated, or 'all' (default: where the store's "
                          "Step-1 labels call the capability LACKING on the train side)")
     ap.add_argument("--out", default=None, help="output path without extension (default <data>/reports/learning_curve/...)")
+    ap.add_argument("--save-adapters", default=None,
+                    help="save each seed's trained adapter to <this folder>/seed<N> (e.g. for target_success.py --adapter)")
     ap.add_argument("--resume", action="store_true",
                     help="reuse the seeds that <out>.json already holds, when it measured the same thing")
     return ap.parse_args(argv)
@@ -459,7 +466,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         base_done = any("base" in r.get("target_test", {}) for r in runs.values())
         runs[seed] = learning_curve(agent, tokenizer, env, config, eval_config, seed=seed,
                                     eval_every=max(args.eval_every, 1), backend_factory=factory, device=args.device,
-                                    log=log, target=target_eval, target_base=not base_done)
+                                    log=log, target=target_eval, target_base=not base_done,
+                                    save_to=Path(args.save_adapters) / f"seed{seed}" if args.save_adapters else None)
         write_result(files, assemble(result, ordered(), complete=all(s in runs for s in seeds)))
         log(f"wrote seed {seed} to {files['.json']}")
     result = assemble(result, ordered(), complete=True)

@@ -12,6 +12,11 @@ split is what the pipeline never does.
 
     .venv/bin/python benchmarks/target_success.py --env tau2_airline --split train \\
         --agent data/models/base_agent/<key>
+    .venv/bin/python benchmarks/target_success.py --env retail --split train \
+        --agent data/models/base_agent/<key> --adapter <saved LoRA adapter folder> --families cancel_pending
+
+``--adapter`` plays the agent with a saved LoRA adapter applied the way ``lora_adapter`` evaluates
+one (``ModelResource.peft_backend``: its effective weights pushed into the base engine under vLLM).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--env", default="tau2_airline", help="a registered target environment")
     ap.add_argument("--split", default="train", choices=("demo", "train", "test"))
     ap.add_argument("--agent", required=True, help="the agent's model folder (e.g. data/models/base_agent/<key>)")
+    ap.add_argument("--adapter", default=None, help="a saved LoRA adapter folder to apply to the agent")
+    ap.add_argument("--families", default=None, help="only these families, comma-separated")
     ap.add_argument("--profile", default=None, help="settings profile (default $TRACE_PROFILE or demo)")
     ap.add_argument("--limit", type=int, default=0, help="at most this many tasks (0: all)")
     ap.add_argument("--max-steps", type=int, default=None, help="assistant turns per episode (default [rollout])")
@@ -72,12 +79,28 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     pipeline = build_resources(settings)["models"]
     models = ModelResource(**{**{k: getattr(pipeline, k) for k in ModelResource.model_fields}, "base_model": agent})
     env = get_environment(args.env)
-    tasks = task_list(env, settings, args.split)[: args.limit or None]
+    tasks = task_list(env, settings, args.split)
+    if args.families:
+        wanted = {f.strip() for f in args.families.split(",") if f.strip()}
+        unknown = sorted(wanted - {t.family for t in tasks})
+        if unknown:
+            raise SystemExit(f"--families: {unknown} have no task in the {args.split} split of {args.env}")
+        tasks = [t for t in tasks if t.family in wanted]
+    tasks = tasks[: args.limit or None]
     roll = settings.rollout if args.max_steps is None else replace(settings.rollout, max_steps=args.max_steps)
     config = RolloutConfig.from_limits(roll, temperature=roll.temperature, seed=roll.seed)
     tokenizer = load_tokenizer(agent)
-    backend = models.backend_for(agent)
-    console.print(f"{args.env} / {args.split}: {len(tasks)} tasks, agent {agent}, {models.backend_label(backend)}, "
+    if args.adapter:
+        from peft import PeftModel
+
+        from trace_assets.agent.model import load_model
+
+        base, _ = load_model(agent, device=models.device)
+        backend = models.peft_backend(agent, PeftModel.from_pretrained(base, args.adapter, is_trainable=False), tokenizer)
+    else:
+        backend = models.backend_for(agent)
+    console.print(f"{args.env} / {args.split}: {len(tasks)} tasks, agent {agent}"
+                  f"{f' + adapter {args.adapter}' if args.adapter else ''}, {models.backend_label(backend)}, "
                   f"<= {config.max_steps} turns, T {config.temperature}")
     started = time.perf_counter()
 
@@ -99,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     by_family: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for e in episodes:
         by_family[e["family"]].append(e)
-    table = Table(title=f"{args.env} {args.split} split, greedy")
+    table = Table(title=f"{args.env} {args.split} split, greedy{', with ' + args.adapter if args.adapter else ''}")
     for col in ("family", "tasks", "success", "mean reward", "mean turns", "errors", "failing one check alone"):
         table.add_column(col, justify="right" if col != "family" else "left")
 
@@ -116,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     console.print(table)
     tokens = sum(e["generated_tokens"] for e in episodes)
     summary = {
-        "env": args.env, "split": args.split, "agent": agent, "backend": models.backend_label(backend),
+        "env": args.env, "split": args.split, "agent": agent, "adapter": args.adapter, "backend": models.backend_label(backend),
         "max_steps": config.max_steps, "tasks": len(episodes), "successes": sum(e["success"] for e in episodes),
         "success_rate": sum(e["success"] for e in episodes) / max(len(episodes), 1),
         "mean_reward": sum(e["reward"] for e in episodes) / max(len(episodes), 1),

@@ -505,7 +505,7 @@ def test_template_uses_failed_trajectories_to_weight_families():
     failed = [{"trajectory_id": f"t{i}", "info": {"family": family, "gold_writes": ["cancel_pending_order"],
                                                   "confirmations": 0, "n_writes": 1,
                                                   "policy_violations": [{"rule": "confirm_before_write", "detail": "x"}]}}
-              for i, family in enumerate(["modify_address"] * 3 + ["update_address_everywhere"])]
+              for i, family in enumerate(["modify_address"] * 3 + ["cancel_forbidden"])]
     failed.append({"trajectory_id": "other", "info": {"family": "return_delivered", "confirmations": 1, "n_writes": 1,
                                                       "gold_writes": ["return_delivered_order_items"], "policy_violations": []}})
     plain = {f["name"]: f["weight"] for f in template_spec(cap("confirm_before_writing"), ENV)["tasks"]["families"]}
@@ -513,9 +513,9 @@ def test_template_uses_failed_trajectories_to_weight_families():
     weights = {f["name"]: f["weight"] for f in spec["tasks"]["families"]}
     assert weights["modify_address"] > plain["modify_address"]
     # A plan's families are where its decision point exists: failures reweight, never add, them.
-    assert "update_address_everywhere" not in weights and "update_address_everywhere" not in plain
+    assert "cancel_forbidden" not in weights and "cancel_forbidden" not in plain
     generic = template_spec(cap("some_new_capability"), ENV, failed_trajectories=failed)
-    assert {f["name"]: f["weight"] for f in generic["tasks"]["families"]}["update_address_everywhere"] > 1.0
+    assert {f["name"]: f["weight"] for f in generic["tasks"]["families"]}["cancel_forbidden"] > 1.0
     assert weights["return_delivered"] == plain["return_delivered"]  # that failure was not this capability
     assert problems(spec) == [] and gold_solvable(spec, ENV, seeds=1) == []
 

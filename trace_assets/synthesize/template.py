@@ -44,7 +44,7 @@ from trace_assets.envs.base import Environment, target_hook
 from trace_assets.envs.splits import SYNTHETIC_SEED_BASE
 from trace_assets.synthesize.spec import DEFAULT_DIFFICULTY, SCHEMA_VERSION, fixed_knobs, tool_groups
 
-TEMPLATE_VERSION = "v4"
+TEMPLATE_VERSION = "v5"
 """Bump when the plans below change: part of the synthesizer's code version."""
 SEED_RANGE = [SYNTHETIC_SEED_BASE, SYNTHETIC_SEED_BASE + 1_000_000]
 FORMAT_ERRORS = ["malformed tool call", "unknown tool", "missing argument", "unexpected argument", "must be"]
@@ -64,8 +64,9 @@ INFO = _check("told_user", "info_communicated", 1, info="required")
 AUTH_FIRST = _check("auth_first", "ordering", 2, before="@auth", after="@account")
 MIDDLE = {"hint_share": 0.25, "volunteer_identity": 0.5, "distractor_orders": 0, "family_bias": 0.0, "frozen": []}
 TARGET_SCENARIO = {"name_zip_share": None, "decline_share": 0.0}
-CONFIRMING_FAMILIES = ("cancel_pending", "cancel_declined", "modify_address", "return_delivered", "exchange_delivered")
-"""Retail families whose requests the expert proposes and has confirmed (a write, or a declined one)."""
+CONFIRMING_FAMILIES = ("cancel_pending", "cancel_declined", "modify_address", "return_delivered", "exchange_delivered",
+                       "update_address_everywhere", "cancel_and_return")
+"""Retail families whose first request the expert proposes and has confirmed (a write, or a declined one)."""
 
 
 @dataclass(frozen=True)
@@ -99,10 +100,13 @@ _PLANS: dict[str, Plan] = {
     # confirmed, so asking there fails, and so does refusing or answering without the status;
     # without them the rubric rewarded asking at every decision point it showed, and an adapter
     # learned "ask" rather than "ask before writing". The answer check is communicate_results'
-    # too: its ablated expert fails these episodes (isolation success 5/6 families, bound 0.8).
+    # too: its ablated expert fails these episodes (isolation success 7/8 families, bound 0.8).
+    # The two-request families start at their first request: on the retail train split, 8 of the
+    # 13 base-agent failures that confirmed_writes alone explains are there, and their first write
+    # (modify_user_address, a cancel) is one no other family shows.
     "confirm_before_writing": Plan(
         {"cancel_pending": 1, "cancel_declined": 2, "modify_address": 1, "return_delivered": 1, "exchange_delivered": 1,
-         "order_status": 2},
+         "update_address_everywhere": 1, "cancel_and_return": 1, "order_status": 2},
         {"before": ["propose", "write", "report"], "intent": 0},
         {"after_call": "@write", "max_actions": 4},
         [_check("confirmed_writes", "no_policy_violation", 3, rules=["confirm_before_write"],

@@ -350,7 +350,8 @@ class IterationMetrics:
         return (f"iteration {self.iteration}: reward {self.mean_reward:.3f}, success {self.success_rate:.2f}, "
                 f"loss {self.loss:.4f}, trained {self.trained_sequences} seqs / {self.loss_tokens} tokens, "
                 f"on-policy |d| {_fmt(self.onpolicy_mean_abs)} KL {_fmt(self.onpolicy_kl)}, "
-                f"gen {self.gen_time_s:.0f}s, opt {self.opt_time_s:.0f}s")
+                + (f"KL to the base {self.kl:.4f}, " if self.kl else "")  # measured only with beta > 0
+                + f"gen {self.gen_time_s:.0f}s, opt {self.opt_time_s:.0f}s")
 
 
 def _fmt(value: float | None) -> str:

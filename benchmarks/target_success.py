@@ -39,6 +39,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--agent", required=True, help="the agent's model folder (e.g. data/models/base_agent/<key>)")
     ap.add_argument("--adapter", default=None, help="a saved LoRA adapter folder to apply to the agent")
     ap.add_argument("--families", default=None, help="only these families, comma-separated")
+    ap.add_argument("--transcripts", action="store_true", help="also write every episode's messages to the JSON")
     ap.add_argument("--profile", default=None, help="settings profile (default $TRACE_PROFILE or demo)")
     ap.add_argument("--limit", type=int, default=0, help="at most this many tasks (0: all)")
     ap.add_argument("--max-steps", type=int, default=None, help="assistant turns per episode (default [rollout])")
@@ -118,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "success": bool(r.result.success), "turns": r.steps, "generated_tokens": r.n_generated,
         "truncated": r.truncated, "stop_reason": r.stop_reason,
         "error": r.error or r.result.info.get("error"), "checks": r.result.info.get("checks"),
+        **({"messages": r.messages} if args.transcripts else {}),
     } for r in rollouts]
     by_family: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for e in episodes:

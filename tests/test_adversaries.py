@@ -90,3 +90,33 @@ def test_adversaries_fail_every_synthetic_env_where_their_behaviour_is_wrong(cap
                 assert result.reward == 0.0, (name, capability, task.task_id, result.info["rubric"])
         failed = [r.reward for r in results if not r.success]
         assert not failed or sum(failed) / len(failed) <= GAMING_BOUND, (name, capability, failed)
+
+
+def test_asking_again_after_the_write_fails_confirm_before_writing():
+    """What an adapter trained on episodes that ended at the write learned: "Do you confirm?" after
+    every write, a yes from the simulated user, and another write. E_confirm_before_writing's
+    episodes end after the reply that follows the write, and a question there fails done_asking."""
+    from dataclasses import replace
+
+    from trace_assets.envs.retail.expert import ASK_CONFIRM, next_move
+
+    env = SyntheticEnv(template_spec({"name": "confirm_before_writing", "description": "x"}, ENV), ENV)
+    # One write: where a second request follows, the simulated user answers the report with it.
+    tasks = [t for t in env.sample_tasks(48) if len(t.meta["gold_writes"]) == 1][:6]
+    assert len(tasks) == 6
+
+    def asks_after_writing(task, messages):
+        move = next_move(task, messages)
+        wrote = any(c.get("function", {}).get("name") in task.meta["gold_writes"]
+                    for m in messages for c in m.get("tool_calls") or [])
+        return replace(move, text=f"Done. {ASK_CONFIRM}") if move and move.text and wrote else move  # as it said
+
+    for task in tasks:
+        messages, expert = demonstrate(env, task)
+        assert expert.success and expert.info["decision_point"]["finished"], task.task_id
+        assert messages[-1]["role"] == "user" and not messages[-1].get("tool_calls")  # the report was answered
+        _, asker = demonstrate(env, task, policy=asks_after_writing)
+        checks = {c["id"]: c for c in asker.info["rubric"]}
+        assert not asker.success and not checks["done_asking"]["passed"], task.task_id
+        assert "after the write was made" in checks["done_asking"]["detail"]
+        assert checks["confirmed_writes"]["passed"] and checks["asked"]["passed"]

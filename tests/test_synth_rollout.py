@@ -37,7 +37,7 @@ def _call(name, **arguments):
 @pytest.mark.parametrize("confirm", [True, False])
 def test_synthetic_env_through_the_rollout_runner(tokenizer, confirm):
     """The episode opens at the decision point: the expert's prefix is prompt (env_mask 0), the agent
-    makes the decisive move, and the horizon ends the episode right after the write."""
+    makes the decisive move, and the horizon ends the episode at the reply that follows the write."""
     spec = template_spec({"name": "confirm_before_writing", "description": RULES["confirm_before_writing"].description}, ENV)
     spec["difficulty"]["hint_share"] = 1.0
     env = SyntheticEnv(spec, ENV)
@@ -47,12 +47,15 @@ def test_synthetic_env_through_the_rollout_runner(tokenizer, confirm):
     script = []
     if confirm:
         script.append(f"I will cancel order {write['arguments']['order_id']} and refund {total}. Do you confirm? (yes/no)")
-    script += [_call(write["name"], **write["arguments"]), "never reached"]
+    script += [_call(write["name"], **write["arguments"]), f"Order {write['arguments']['order_id']} is cancelled.",
+               "never reached"]
     rollouts = run_rollouts(env, [task], TurnScript(tokenizer, script), tokenizer,
                             RolloutConfig(max_steps=8, max_new_tokens=128, max_context_tokens=8192))
     r = rollouts[0]
-    assert r.error is None and r.stop_reason == "env_done", (r.stop_reason, r.error, r.messages[-3:])
-    assert r.steps == len(script) - 1
+    # The user is done with that reply too ("That is all"): either end is the horizon's, and the
+    # last scripted turn is never played.
+    assert r.error is None and r.stop_reason in ("env_done", "user_done"), (r.stop_reason, r.error, r.messages[-3:])
+    assert r.steps == len(script) - 1 and "never reached" not in json.dumps(r.messages)
     assert r.messages[0]["content"].startswith(ENV.system_prompt()) and "Hint: " in r.messages[0]["content"]
     # The prefix: identity asked and given, authenticated, order looked up; all of it is prompt.
     prefix = env.start(task).prefix

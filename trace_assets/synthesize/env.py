@@ -27,8 +27,11 @@ Contract (base.Environment / base.Episode, exactly):
   prefix is context and never trained on. The database, the simulated user and the confirmation
   state continue from where the expert left them. ``info["decision_point"]`` records the prefix.
 * Horizon (``spec.end``): the episode sets ``finished`` (the runner and ``demonstrate`` stop on it)
-  right after the agent's first call of ``end.after_call`` (successful only with ``ok_only``), after its
-  first plain reply (``after_reply``) or after ``max_actions`` agent actions.
+  right after the agent's first call of ``end.after_call`` (successful only with ``ok_only``; with
+  ``then_reply``, after the agent's next plain reply instead, so that what it tells the user after
+  the decision is scored too), after its first plain reply (``after_reply``) or after
+  ``max_actions`` agent actions. Confirmation questions the user answered after the agent's first
+  successful write are counted apart (``Trace.confirmations_after_write``).
 * The hint is appended to the system message only; ``episode.plain_system_prompt`` is the un-hinted
   prompt, for a trainer that swaps it back before the gradient step.
 """
@@ -84,6 +87,9 @@ class SyntheticEpisode:
         self.prefix: list[Message] = []
         self.finished = False
         self._agent_actions = 0
+        self._wrote = False  # the agent made a successful write
+        self._await_reply = False  # end.after_call matched under then_reply: the next reply ends it
+        self.confirmations_after_write = 0
         self._mark = (0, 0, 0, 0)  # calls, said, violations, confirmations made by the prefix
         self._end = env.spec.get("end") or {}
         self._in_prefix = False  # the expert's prefix actions are not the agent's
@@ -127,10 +133,15 @@ class SyntheticEpisode:
             return
         self._agent_actions += 1
         end = self._end
+        if ok and name in self.env.groups["@write"]:
+            self._wrote = True
         if name is not None and "after_call" in end and name in selector_tools(end["after_call"], self.env.groups):
             if ok or not end.get("ok_only"):
-                self.finished = True
-        if reply and end.get("after_reply"):
+                if end.get("then_reply"):
+                    self._await_reply = True
+                else:
+                    self.finished = True
+        if reply and (end.get("after_reply") or self._await_reply):
             self.finished = True
         if end.get("max_actions") and self._agent_actions >= end["max_actions"]:
             self.finished = True
@@ -153,7 +164,10 @@ class SyntheticEpisode:
 
     def user_reply(self, assistant_text: str) -> tuple[str, bool]:
         self.said.append(assistant_text if isinstance(assistant_text, str) else str(assistant_text))
+        asked_before = self.target_episode.confirmations
         answer = self.target_episode.user_reply(assistant_text)
+        if self._wrote and not self._in_prefix and self.target_episode.confirmations > asked_before:
+            self.confirmations_after_write += 1
         self._act(reply=True)
         return answer
 
@@ -172,7 +186,8 @@ class SyntheticEpisode:
         trace = Trace(calls=list(self.calls), said=list(self.said[said:]),
                       violations=list(target.info.get("policy_violations", []))[violations:],
                       state_match=bool(target.info.get("state_match")), prefix_calls=calls,
-                      confirmations=int(target.info.get("confirmations", 0)) - confirmations)
+                      confirmations=int(target.info.get("confirmations", 0)) - confirmations,
+                      confirmations_after_write=self.confirmations_after_write)
         score = evaluate(self.env.spec["rubric"], trace, self.task, self.env.groups, fallback=target.reward)
         info = copy.deepcopy(target.info)
         # Rebuilt from our own log so calls to tools outside the subset keep their place.

@@ -58,6 +58,8 @@ class Trace:
     """``calls[:prefix_calls]`` were made by the expert prefix, not by the agent."""
     confirmations: int = 0
     """Confirmation questions the user answered during the agent's part."""
+    confirmations_after_write: int = 0
+    """Those of them asked after the agent's first successful write."""
 
     def agent_calls(self) -> list[tuple[int, CallRecord]]:
         return [(i, c) for i, c in enumerate(self.calls) if i >= self.prefix_calls]
@@ -203,6 +205,10 @@ def _score(check: dict[str, Any], trace: Trace, task: Task, groups: Groups) -> t
             return 1.0, f"no confirmation question, but write #{wrote[0]} was made"
         return 0.0, "the user was never asked to confirm"
     if kind == "no_confirmation_question":
+        if check.get("after_write"):
+            if trace.confirmations_after_write:
+                return 0.0, f"asked the user to confirm {trace.confirmations_after_write} time(s) after the write was made"
+            return 1.0, "asked no confirmation question after the write"
         if trace.confirmations:
             return 0.0, f"asked the user to confirm {trace.confirmations} time(s) where there was nothing to confirm"
         return 1.0, "asked no confirmation question"

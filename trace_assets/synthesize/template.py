@@ -44,7 +44,7 @@ from trace_assets.envs.base import Environment, target_hook
 from trace_assets.envs.splits import SYNTHETIC_SEED_BASE
 from trace_assets.synthesize.spec import DEFAULT_DIFFICULTY, SCHEMA_VERSION, fixed_knobs, tool_groups
 
-TEMPLATE_VERSION = "v5"
+TEMPLATE_VERSION = "v6"
 """Bump when the plans below change: part of the synthesizer's code version."""
 SEED_RANGE = [SYNTHETIC_SEED_BASE, SYNTHETIC_SEED_BASE + 1_000_000]
 FORMAT_ERRORS = ["malformed tool call", "unknown tool", "missing argument", "unexpected argument", "must be"]
@@ -103,15 +103,20 @@ _PLANS: dict[str, Plan] = {
     # too: its ablated expert fails these episodes (isolation success 7/8 families, bound 0.8).
     # The two-request families start at their first request: on the retail train split, 8 of the
     # 13 base-agent failures that confirmed_writes alone explains are there, and their first write
-    # (modify_user_address, a cancel) is one no other family shows.
+    # (modify_user_address, a cancel) is one no other family shows. Episodes end after the reply
+    # that follows the write, and a question there fails: an adapter trained on episodes that ended
+    # at the write asked "Do you confirm?" after every write on the target, the simulated user said
+    # yes, and it wrote again (retail train split, state_match 20/42 -> 13/42 on the LACKING families).
     "confirm_before_writing": Plan(
         {"cancel_pending": 1, "cancel_declined": 2, "modify_address": 1, "return_delivered": 1, "exchange_delivered": 1,
          "update_address_everywhere": 1, "cancel_and_return": 1, "order_status": 2},
         {"before": ["propose", "write", "report"], "intent": 0},
-        {"after_call": "@write", "max_actions": 4},
+        {"after_call": "@write", "then_reply": True, "max_actions": 5},
         [_check("confirmed_writes", "no_policy_violation", 3, rules=["confirm_before_write"],
                 requires=["asked", "answered"]),
          _check("asked", "asked_confirmation", 2, when={"families": list(CONFIRMING_FAMILIES)}),
+         _check("done_asking", "no_confirmation_question", 2, after_write=True, when={"gold_calls": "@write"},
+                requires=["asked"]),
          _check("respected_no", "forbidden_call", 2, tool="@write", when={"gold_avoids": "@write"},
                 requires=["asked", "answered"]),
          _check("nothing_to_confirm", "no_confirmation_question", 2, when={"families": ["order_status"]},

@@ -12,7 +12,7 @@ split is what the pipeline never does.
 
     .venv/bin/python benchmarks/target_success.py --env tau2_airline --split train \\
         --agent data/models/base_agent/<key>
-    .venv/bin/python benchmarks/target_success.py --env retail --split train \
+    .venv/bin/python benchmarks/target_success.py --env retail --split train \\
         --agent data/models/base_agent/<key> --adapter <saved LoRA adapter folder> --families cancel_pending
 
 ``--adapter`` plays the agent with a saved LoRA adapter applied the way ``lora_adapter`` evaluates

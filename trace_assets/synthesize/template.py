@@ -7,7 +7,8 @@ name gets a generic spec (all families, whole episodes, an all-or-nothing rubric
 * start and end (schema v2): each catalogue capability's episodes start at its decision point (the
   target's expert plays the conversation up to the move where the capability decides the outcome:
   authenticate, propose, look up variants, carry on with the second request, write, report) and end
-  right after that decision, so an episode is a few agent turns and its reward is attributable.
+  right after that decision, so an episode is a few agent turns and its reward is attributable
+  (confirm_before_writing's end one reply later, so that asking again once the write is made fails).
 
 * tools: all of the target's tools. The agent then sees exactly the target's tool list, so what it
   learns transfers; the capability is isolated by the families and the rubric, not by hiding tools.

@@ -166,7 +166,7 @@ class SyntheticEpisode:
         self.said.append(assistant_text if isinstance(assistant_text, str) else str(assistant_text))
         asked_before = self.target_episode.confirmations
         answer = self.target_episode.user_reply(assistant_text)
-        if self._wrote and not self._in_prefix and self.target_episode.confirmations > asked_before:
+        if self._wrote and self.target_episode.confirmations > asked_before:  # _wrote: the agent's own write
             self.confirmations_after_write += 1
         self._act(reply=True)
         return answer

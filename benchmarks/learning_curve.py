@@ -393,10 +393,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.target_test and args.families == "all":
         families = list(target.families())
     elif args.target_test and args.families:
-        families = [f.strip() for f in args.families.split(",") if f.strip()]
-        unknown = sorted(set(families) - set(target.families()))
-        if unknown:
-            raise SystemExit(f"--families: {unknown} are not families of {target.name}: {sorted(target.families())}")
+        from benchmarks.target_success import parse_families
+
+        families = parse_families(args.families, list(target.families()), target.name)
     started = time.perf_counter()
     env, env_info = synthetic_environment(args, settings, target, models, agent, tokenizer, log)
     build_s = time.perf_counter() - started

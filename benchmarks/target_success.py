@@ -57,6 +57,16 @@ def task_list(env: Any, settings: Any, split: str) -> list[Any]:
     return configured_splits(env, settings.tasks)[split]
 
 
+def parse_families(text: str, known: Sequence[str], where: str) -> list[str]:
+    """``--families``: comma-separated names, in the order given, each one of ``known``
+    (``SystemExit`` naming the unknown ones and ``where`` they were looked for)."""
+    families = list(dict.fromkeys(f.strip() for f in text.split(",") if f.strip()))
+    unknown = sorted(set(families) - set(known))
+    if unknown:
+        raise SystemExit(f"--families: {unknown} are not families of {where}: {sorted(set(known))}")
+    return families
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from dataclasses import replace
 
@@ -82,10 +92,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     env = get_environment(args.env)
     tasks = task_list(env, settings, args.split)
     if args.families:
-        wanted = {f.strip() for f in args.families.split(",") if f.strip()}
-        unknown = sorted(wanted - {t.family for t in tasks})
-        if unknown:
-            raise SystemExit(f"--families: {unknown} have no task in the {args.split} split of {args.env}")
+        wanted = parse_families(args.families, [t.family for t in tasks], f"the {args.split} split of {args.env}")
         tasks = [t for t in tasks if t.family in wanted]
     tasks = tasks[: args.limit or None]
     roll = settings.rollout if args.max_steps is None else replace(settings.rollout, max_steps=args.max_steps)

@@ -102,6 +102,15 @@ def test_target_success_counts_the_episodes_that_fail_one_check_alone():
     assert sole_failures(episodes) == {"confirmed_writes": 2, "info_communicated": 1}
 
 
+def test_families_keep_their_order_and_an_unknown_one_is_named():
+    from benchmarks.target_success import parse_families
+
+    assert parse_families(" modify_address,cancel_pending,,modify_address", ["cancel_pending", "modify_address"],
+                          "retail") == ["modify_address", "cancel_pending"]
+    with pytest.raises(SystemExit, match=r"\['modify_adress'\] are not families of the test split of retail"):
+        parse_families("modify_adress,cancel_pending", ["cancel_pending"], "the test split of retail")
+
+
 def test_each_seed_is_written_as_it_ends_and_resume_reuses_only_what_measured_the_same(tmp_path, monkeypatch,
                                                                                        tiny_model_path):
     monkeypatch.setenv("TRACE_DATA_DIR", str(tmp_path / "data"))

@@ -34,7 +34,9 @@ Recorded per evaluation point: training wall time so far (the trainer's iteratio
 included; evaluations excluded and timed apart), training rollouts and tokens so far (tokens the
 policy generated, and whole sequences, prompts included), greedy success and mean reward. Output:
 a rich table (each seed and the mean), ``<out>.json`` and ``<out>.png`` (success against training
-wall time and against training rollouts). Both are rewritten atomically after every seed (the JSON's
+wall time and against training rollouts), and with ``--target-test`` ``<out>.target_test.png`` (a
+forest plot of the target test's systems and paired differences). All are rewritten atomically
+after every seed (the JSON's
 ``complete`` is false until the last), so a killed run keeps the seeds it finished; ``--resume``
 reuses them when the stored run measured the same thing (agent, environment spec, GRPO settings
 but the seed, evaluation and target-test tasks) and refuses, naming the file and the fields that
@@ -311,6 +313,21 @@ def figure(result: dict[str, Any]) -> bytes:
     return buf.getvalue()
 
 
+def target_figure(result: dict[str, Any]) -> bytes:
+    """PNG forest plot of the ``target_test`` block: base, adapter and null, and their paired
+    differences against a zero line (:func:`trace_assets.figures.forest_plot`, as the experiment's)."""
+    from trace_assets.figures import forest_plot
+
+    t = result["target_test"]
+    panels = {"success per system": [{"label": k, **t["systems"][k]} for k in ("base", "adapter", "null")],
+              "paired differences": [{"label": k, **v} for k, v in t["differences"].items()]}
+    n = len(t["per_seed"])
+    return forest_plot(panels, reference={"paired differences": 0.0}, xlabels={"success per system": "success, %"},
+                       title=f"E_{result['capability']} adapters on the target test split: {t['n_tasks']} tasks of "
+                             f"{len(t['families'])} families x {n} seed{'s' if n != 1 else ''}, 95 % paired "
+                             "bootstrap over tasks x seeds")
+
+
 def table(result: dict[str, Any]) -> Any:
     from rich.table import Table
 
@@ -439,7 +456,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         log(f"target test: {len(tasks)} tasks of {families} ({target_info['family_source']})")
     out = Path(args.out) if args.out else paths.sub("reports", "learning_curve") / (
         f"{env.capability}_{'validation' if args.select else 'heldout'}")
-    files = {suffix: out.with_name(out.name + suffix) for suffix in (".json", ".png", ".envspec.json")}
+    files = {suffix: out.with_name(out.name + suffix)
+             for suffix in (".json", ".png", ".envspec.json", *((".target_test.png",) if target_info else ()))}
     result = {
         "benchmark": "learning_curve", "capability": env.capability, "mode": mode, "agent": agent,
         "environment": {k: v for k, v in env_info.items() if k != "spec"}, "environment_build_s": round(build_s, 1),
@@ -480,7 +498,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"{result['summary']['mean_reward_gain']:+.3f}) after {last['rollouts']:.0f} rollouts, "
         f"{last['generated_tokens']:.0f} generated tokens ({last['sequence_tokens']:.0f} sequence tokens), "
         f"{last['train_wall_s']:.0f} s of training per seed")
-    log(f"results in {files['.json']} and {files['.png']}")
+    log(f"results in {', '.join(str(f) for k, f in files.items() if k != '.envspec.json')}")
     return result
 
 
@@ -530,11 +548,14 @@ def assemble(result: dict[str, Any], runs: list[dict[str, Any]], *, complete: bo
 
 
 def write_result(files: dict[str, Path], data: dict[str, Any]) -> None:
-    """``<out>.json`` and ``<out>.png`` of :func:`assemble`'s ``data``, each replaced atomically."""
+    """``<out>.json``, ``<out>.png`` and, with a target test, ``<out>.target_test.png`` of
+    :func:`assemble`'s ``data``, each replaced atomically."""
     from trace_assets.paths import atomic_write
 
     atomic_write(files[".json"], json.dumps(data, indent=1, default=str))
     atomic_write(files[".png"], figure(data))
+    if ".target_test.png" in files:
+        atomic_write(files[".target_test.png"], target_figure(data))
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ def test_target_test_plays_the_test_split_with_adapter_null_and_base(tmp_path, m
     assert [len(row) for row in t["outcomes"]["adapter"]] == [t["n_tasks"]] * 2
     for name, interval in t["systems"].items():
         assert interval["low"] <= interval["estimate"] <= interval["high"], name
+    assert (tmp_path / "curve.target_test.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit, match="not families"):
         module.main(["--agent", str(tiny_model_path), "--profile", "tiny", "--no-calibrate", "--seeds", "0",
                      "--target-test", "--families", "nope", "--backend", "transformers"])

@@ -32,7 +32,9 @@ test split only measures here: nothing above is chosen by it.
 
 Recorded per evaluation point: training wall time so far (the trainer's iterations, checkpoints
 included; evaluations excluded and timed apart), training rollouts and tokens so far (tokens the
-policy generated, and whole sequences, prompts included), greedy success and mean reward. Output:
+policy generated, and whole sequences, prompts included), greedy success and mean reward; the
+summary adds each family's success at the first and last point (the held-out seeds spread over the
+environment's families unevenly, and a read-only family's gain is not the capability's). Output:
 a rich table (each seed and the mean), ``<out>.json`` and ``<out>.png`` (success against training
 wall time and against training rollouts), and with ``--target-test`` ``<out>.target_test.png`` (a
 forest plot of the target test's systems and paired differences). All are rewritten atomically
@@ -229,9 +231,10 @@ def learning_curve(agent: str, tokenizer: Any, env: Any, config: Any, eval_confi
             "generation_backend": generation, **({"target_test": tested} if tested else {})}
 
 
-def summarize(seeds: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The mean curve over seeds (points matched by iteration) and each seed's gain from its first
-    to its last point."""
+def summarize(seeds: Sequence[dict[str, Any]], families: Sequence[str] | None = None) -> dict[str, Any]:
+    """The mean curve over seeds (points matched by iteration), each seed's gain from its first
+    to its last point and, given the evaluation tasks' ``families`` (in task order), the success
+    per family at the first and the last point, over tasks x seeds: where the gain comes from."""
     iterations = [p["iteration"] for p in seeds[0]["points"]]
     curve = []
     for i, iteration in enumerate(iterations):
@@ -239,8 +242,29 @@ def summarize(seeds: Sequence[dict[str, Any]]) -> dict[str, Any]:
         curve.append({"iteration": iteration, **{k: round(mean(p[k] for p in at), 4) for k in (
             "rollouts", "generated_tokens", "sequence_tokens", "train_wall_s", "success", "mean_reward")}})
     gains = {s["seed"]: round(s["points"][-1]["success"] - s["points"][0]["success"], 4) for s in seeds}
-    return {"mean_curve": curve, "success_gain_per_seed": gains, "mean_success_gain": round(mean(gains.values()), 4),
-            "mean_reward_gain": round(curve[-1]["mean_reward"] - curve[0]["mean_reward"], 4)}
+    out = {"mean_curve": curve, "success_gain_per_seed": gains, "mean_success_gain": round(mean(gains.values()), 4),
+           "mean_reward_gain": round(curve[-1]["mean_reward"] - curve[0]["mean_reward"], 4)}
+    if families:
+        out["per_family"] = {}
+        for family in dict.fromkeys(families):
+            at = [j for j, f in enumerate(families) if f == family]
+            cells = len(at) * len(seeds)
+            out["per_family"][family] = {"tasks": len(at), **{
+                when: round(sum(s["points"][i]["successes"][j] for s in seeds for j in at) / cells, 4)
+                for when, i in (("before", 0), ("after", -1))}}
+    return out
+
+
+def family_table(result: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    out = Table(title=f"E_{result['capability']}: greedy success per family, first and last point "
+                      f"(over {result['mode']} tasks x seeds)")
+    for column in ("family", "tasks", "before", "after"):
+        out.add_column(column, justify="left" if column == "family" else "right")
+    for family, row in result["summary"].get("per_family", {}).items():
+        out.add_row(family, str(row["tasks"]), f"{row['before']:.3f}", f"{row['after']:.3f}")
+    return out
 
 
 def target_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -463,6 +487,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "environment": {k: v for k, v in env_info.items() if k != "spec"}, "environment_build_s": round(build_s, 1),
         "grpo": config.to_dict(),
         "eval": {"n_tasks": eval_config.n_tasks, "seed_offset": eval_config.seed_offset, "greedy": True,
+                 "families": [t.family for t in env.sample_tasks(eval_config.n_tasks, offset=eval_config.seed_offset)],
                  "max_steps": eval_config.max_steps, "max_new_tokens": eval_config.max_new_tokens},
         "generation": {"backend": models.generation_backend, "vllm_dtype": models.resolved_vllm_dtype()},
         "machine": {"cpus": os.cpu_count(), "bf16_native": bf16_supported(), "device": args.device},
@@ -490,6 +515,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         log(f"wrote seed {seed} to {files['.json']}")
     result = assemble(result, ordered(), complete=True)
     console.print(table(result))
+    console.print(family_table(result))
     if target_info:
         console.print(target_table(result))
     gains = ", ".join(f"seed {k} {v:+.3f}" for k, v in result["summary"]["success_gain_per_seed"].items())
@@ -541,7 +567,7 @@ def assemble(result: dict[str, Any], runs: list[dict[str, Any]], *, complete: bo
     """``result`` with ``runs`` (the seeds measured so far), their summaries and ``complete``."""
     data = {**result, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "complete": complete,
             "generation": {**result["generation"], "used": sorted({r["generation_backend"] for r in runs})},
-            "seeds": runs, "summary": summarize(runs)}
+            "seeds": runs, "summary": summarize(runs, result["eval"].get("families"))}
     if "target_test" in result:
         data["target_test"] = {**result["target_test"], **target_summary(runs)}
     return data

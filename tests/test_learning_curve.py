@@ -40,6 +40,12 @@ def test_one_iteration_on_tiny_writes_json_and_png(tmp_path, monkeypatch, tiny_m
     assert after["sequence_tokens"] > after["generated_tokens"] and after["train_wall_s"] > 0
     assert len(seed["history"]) == 1 and data["grpo"]["learning_rate"] > 0
     assert data["summary"]["success_gain_per_seed"] == {"0": after["success"] - before["success"]}
+    families = data["eval"]["families"]
+    assert len(families) == 2 and set(data["summary"]["per_family"]) == set(families)
+    for family, row in data["summary"]["per_family"].items():  # the family's share of each point's successes
+        at = [j for j, f in enumerate(families) if f == family]
+        assert row["tasks"] == len(at)
+        assert row["after"] == pytest.approx(sum(after["successes"][j] for j in at) / len(at), abs=1e-4)
     assert ("calibration" in data["environment"]) == ("--no-calibrate" not in extra)
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "curve.envspec.json").read_text())["capability"]["name"] == "confirm_before_writing"

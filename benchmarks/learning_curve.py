@@ -38,11 +38,10 @@ environment's families unevenly, and a read-only family's gain is not the capabi
 a rich table (each seed and the mean), ``<out>.json`` and ``<out>.png`` (success against training
 wall time and against training rollouts), and with ``--target-test`` ``<out>.target_test.png`` (a
 forest plot of the target test's systems and paired differences). All are rewritten atomically
-after every seed (the JSON's
-``complete`` is false until the last), so a killed run keeps the seeds it finished; ``--resume``
-reuses them when the stored run measured the same thing (agent, environment spec, GRPO settings
-but the seed, evaluation and target-test tasks) and refuses, naming the file and the fields that
-differ, when it did not.
+after every seed (the JSON's ``complete`` is false until the last), so a killed run keeps the
+seeds it finished; ``--resume`` reuses them when the stored run measured the same thing (agent,
+environment spec, GRPO settings but the seed, evaluation and target-test tasks) and refuses,
+naming the file and the fields that differ, when it did not.
 
     .venv/bin/python benchmarks/learning_curve.py --capability confirm_before_writing \\
         --agent data/models/base_agent/<key> --iterations 8 --eval-every 2 --seeds 0,1,2

@@ -120,3 +120,36 @@ def test_asking_again_after_the_write_fails_confirm_before_writing():
         assert not asker.success and not checks["done_asking"]["passed"], task.task_id
         assert "after the write was made" in checks["done_asking"]["detail"]
         assert checks["confirmed_writes"]["passed"] and checks["asked"]["passed"]
+
+
+def test_reporting_before_asking_fails_confirm_before_writing():
+    """What an adapter paid for a question anywhere in the episode learned: at the decision point it
+    reported the change as made ("... will be cancelled. Anything else?") without making it, and asked
+    only when the user restated the request. ``asked`` wants the first reply to be the question."""
+    from dataclasses import replace
+
+    from trace_assets.envs.retail.expert import ANYTHING_ELSE, ASK_CONFIRM, next_move
+    from trace_assets.synthesize.template import CONFIRMING_FAMILIES
+
+    env = SyntheticEnv(template_spec({"name": "confirm_before_writing", "description": "x"}, ENV), ENV)
+    tasks = [t for t in env.sample_tasks(48) if t.family in CONFIRMING_FAMILIES][:8]
+    assert len({t.family for t in tasks}) >= 4
+    reported: set[str] = set()
+
+    def reports_first(task, messages):
+        move = next_move(task, messages)
+        if move and move.kind == "propose" and task.task_id not in reported:
+            reported.add(task.task_id)
+            return replace(move, text=f"{move.text.replace(ASK_CONFIRM, '').strip()} {ANYTHING_ELSE}")
+        return move
+
+    for task in tasks:
+        _, expert = demonstrate(env, task)
+        assert expert.success, task.task_id
+        _, reporter = demonstrate(env, task, policy=reports_first)
+        checks = {c["id"]: c for c in reporter.info["rubric"]}
+        assert task.task_id in reported and not reporter.success, task.task_id
+        assert not checks["asked"]["passed"], (task.task_id, checks["asked"])
+        assert "first reply after the start was not a confirmation question" in checks["asked"]["detail"]
+        # it asked when the user restated, so only the first-reply rule fails it
+        assert "needs asked" in checks["confirmed_writes"]["detail"], checks["confirmed_writes"]

@@ -84,6 +84,7 @@ class SyntheticEpisode:
             self.system_prompt += "\n\n" + HINT_PREFIX + fill_text(env.spec["hint"], text_slots(task))
         self.calls: list[CallRecord] = []
         self.said: list[str] = []
+        self.asked: list[bool] = []  # per entry of said: answered as a confirmation question
         self.prefix: list[Message] = []
         self.finished = False
         self._agent_actions = 0
@@ -166,7 +167,8 @@ class SyntheticEpisode:
         self.said.append(assistant_text if isinstance(assistant_text, str) else str(assistant_text))
         asked_before = self.target_episode.confirmations
         answer = self.target_episode.user_reply(assistant_text)
-        if self._wrote and self.target_episode.confirmations > asked_before:  # _wrote: the agent's own write
+        self.asked.append(self.target_episode.confirmations > asked_before)
+        if self._wrote and self.asked[-1]:  # _wrote: the agent's own write
             self.confirmations_after_write += 1
         self._act(reply=True)
         return answer
@@ -174,6 +176,7 @@ class SyntheticEpisode:
     def record_assistant_text(self, text: str) -> None:
         """Count ``text`` as said to the user without a user turn (replays)."""
         self.said.append(text)
+        self.asked.append(False)
         self.target_episode.record_assistant_text(text)
 
     def grant_confirmation(self) -> None:
@@ -187,7 +190,7 @@ class SyntheticEpisode:
                       violations=list(target.info.get("policy_violations", []))[violations:],
                       state_match=bool(target.info.get("state_match")), prefix_calls=calls,
                       confirmations=int(target.info.get("confirmations", 0)) - confirmations,
-                      confirmations_after_write=self.confirmations_after_write)
+                      confirmations_after_write=self.confirmations_after_write, asked=list(self.asked[said:]))
         score = evaluate(self.env.spec["rubric"], trace, self.task, self.env.groups, fallback=target.reward)
         info = copy.deepcopy(target.info)
         # Rebuilt from our own log so calls to tools outside the subset keep their place.

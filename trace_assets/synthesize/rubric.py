@@ -60,6 +60,8 @@ class Trace:
     """Confirmation questions the user answered during the agent's part."""
     confirmations_after_write: int = 0
     """Those of them asked after the agent's first successful write."""
+    asked: list[bool] = field(default_factory=list)
+    """Per entry of ``said``: whether the user answered it as a confirmation question."""
 
     def agent_calls(self) -> list[tuple[int, CallRecord]]:
         return [(i, c) for i, c in enumerate(self.calls) if i >= self.prefix_calls]
@@ -198,6 +200,9 @@ def _score(check: dict[str, Any], trace: Trace, task: Task, groups: Groups) -> t
         bad = [e for e in errors if not needles or any(n in e.lower() for n in needles)]
         return (0.0, f"tool error: {bad[0][:80]}") if bad else (1.0, "no tool error")
     if kind == "asked_confirmation":
+        if check.get("first_reply") and not (trace.asked and trace.asked[0]):
+            first = trace.said[0][:80] if trace.said else "(no reply)"
+            return 0.0, f"the first reply after the start was not a confirmation question: {first!r}"
         if trace.confirmations:
             return 1.0, f"the user answered {trace.confirmations} confirmation question(s)"
         wrote = [i for i, c in trace.agent_calls() if c.ok and c.name in groups["@write"]]

@@ -45,7 +45,7 @@ from trace_assets.envs.base import Environment, target_hook
 from trace_assets.envs.splits import SYNTHETIC_SEED_BASE
 from trace_assets.synthesize.spec import DEFAULT_DIFFICULTY, SCHEMA_VERSION, fixed_knobs, tool_groups
 
-TEMPLATE_VERSION = "v6"
+TEMPLATE_VERSION = "v7"
 """Bump when the plans below change: part of the synthesizer's code version."""
 SEED_RANGE = [SYNTHETIC_SEED_BASE, SYNTHETIC_SEED_BASE + 1_000_000]
 FORMAT_ERRORS = ["malformed tool call", "unknown tool", "missing argument", "unexpected argument", "must be"]
@@ -108,6 +108,10 @@ _PLANS: dict[str, Plan] = {
     # that follows the write, and a question there fails: an adapter trained on episodes that ended
     # at the write asked "Do you confirm?" after every write on the target, the simulated user said
     # yes, and it wrote again (retail train split, state_match 20/42 -> 13/42 on the LACKING families).
+    # "asked" wants the agent's first reply to be the question: paid for a question anywhere, an
+    # adapter first reported changes it never made ("Order W4618 will be cancelled... Anything
+    # else?"), asked only when the user restated, and lost the write (retail train split, v6 seed 0:
+    # state_match 20/42 -> 12/42).
     "confirm_before_writing": Plan(
         {"cancel_pending": 1, "cancel_declined": 2, "modify_address": 1, "return_delivered": 1, "exchange_delivered": 1,
          "update_address_everywhere": 1, "cancel_and_return": 1, "order_status": 2},
@@ -115,7 +119,7 @@ _PLANS: dict[str, Plan] = {
         {"after_call": "@write", "then_reply": True, "max_actions": 5},
         [_check("confirmed_writes", "no_policy_violation", 3, rules=["confirm_before_write"],
                 requires=["asked", "answered"]),
-         _check("asked", "asked_confirmation", 2, when={"families": list(CONFIRMING_FAMILIES)}),
+         _check("asked", "asked_confirmation", 2, first_reply=True, when={"families": list(CONFIRMING_FAMILIES)}),
          _check("done_asking", "no_confirmation_question", 2, after_write=True, when={"gold_calls": "@write"},
                 requires=["asked"]),
          _check("respected_no", "forbidden_call", 2, tool="@write", when={"gold_avoids": "@write"},

@@ -109,6 +109,45 @@ def test_target_success_counts_the_episodes_that_fail_one_check_alone():
     assert sole_failures(episodes) == {"confirmed_writes": 2, "info_communicated": 1}
 
 
+def test_decision_point_opens_target_tasks_where_the_expert_decides_and_names_the_first_turn():
+    """``target_success.py --decision-point``: the target's own task, opened by its expert at the
+    template's ``start`` (before the proposal of the first request); asking there is a question,
+    writing at once a write, anything else a reply. A task without that move is left out."""
+    from types import SimpleNamespace
+
+    from benchmarks.target_success import DecisionPointTarget, first_turn
+    from trace_assets.envs import get_environment
+    from trace_assets.envs.expert import play_move
+    from trace_assets.envs.retail.expert import next_move
+
+    target = get_environment("retail")
+    env = DecisionPointTarget(target, "confirm_before_writing")
+    task = target.make_task("cancel_pending", 3)
+    assert env.has_decision_point(task)
+
+    def first(**ablation):
+        episode = env.start(task)
+        messages = episode.initial_messages()
+        assert [m["role"] for m in messages[:2]] == ["system", "user"] and messages[-1]["role"] == "tool"
+        move = next_move(task, messages, **ablation)
+        play_move(episode, messages, move)
+        return first_turn(SimpleNamespace(messages=messages, result=episode.result()), env.writes)
+
+    assert first() == "question"  # the expert proposes and asks
+    assert first(lacking="confirm_before_writing") == "write"
+    assert first(lacking="communicate_results") == "question"
+    opened = env.start(task)
+    reply = opened.initial_messages()
+    play_move(opened, reply, SimpleNamespace(call=None, text="Your order is cancelled. Anything else I can help with?"))
+    assert first_turn(SimpleNamespace(messages=reply, result=opened.result()), env.writes) == "reply"
+    status = target.make_task("order_status", 3)  # the contrast: the answer is due, nothing to confirm
+    episode = env.start(status)
+    messages = episode.initial_messages()
+    play_move(episode, messages, next_move(status, messages))
+    assert first_turn(SimpleNamespace(messages=messages, result=episode.result()), env.writes) == "reply"
+    assert not DecisionPointTarget(target, "ground_arguments").has_decision_point(task)  # no variants to look up
+
+
 def test_families_keep_their_order_and_an_unknown_one_is_named():
     from benchmarks.target_success import parse_families
 

@@ -70,6 +70,28 @@ def family_complexity(target_env: Environment, family: str) -> float:
     return _complexity_cache[key]
 
 
+def play_to_decision_point(target: Environment, task: Task, episode: Any, messages: list[Message],
+                           start: dict[str, Any]) -> None:
+    """Play ``target``'s scripted expert (its ``next_move`` hook) in ``episode``, appending to
+    ``messages``, up to, not including, its first move of a kind in ``start["before"]`` (and of
+    ``start["intent"]`` / ``start["tool"]`` when given): a spec's ``start`` block. ``ValueError``
+    when the expert never makes such a move on ``task``."""
+    next_move = target_hook(target, "next_move")
+    before, intent, tool = set(start["before"]), start.get("intent"), start.get("tool")
+    for _ in range(60):
+        move = next_move(task, messages)
+        if move is None:
+            break
+        if (move.kind in before and (intent is None or move.intent == intent)
+                and (tool is None or (move.call or {}).get("name") == tool)):
+            return
+        observation, done = play_move(episode, messages, move)
+        if done or (observation or "").startswith("Error:"):
+            break
+    raise ValueError(f"{task.task_id}: the expert never reaches the decision point {start} "
+                     "(this family has no such move)")
+
+
 class SyntheticEpisode:
     """One conversation in a synthetic environment (see the module docstring)."""
 
@@ -108,25 +130,12 @@ class SyntheticEpisode:
 
     def _play_prefix(self, start: dict[str, Any]) -> None:
         """The expert's conversation up to the decision point (see the module docstring)."""
-        next_move = target_hook(self.env.target, "next_move")
-        before, intent, tool = set(start["before"]), start.get("intent"), start.get("tool")
         messages = self._opening()
         opening = len(messages)
-        for _ in range(60):
-            move = next_move(self.task, messages)
-            if move is None:
-                break
-            if (move.kind in before and (intent is None or move.intent == intent)
-                    and (tool is None or (move.call or {}).get("name") == tool)):
-                self.prefix = messages[opening:]
-                target = self.target_episode
-                self._mark = (len(self.calls), len(self.said), len(target.policy_violations), target.confirmations)
-                return
-            observation, done = play_move(self, messages, move)
-            if done or (observation or "").startswith("Error:"):
-                break
-        raise ValueError(f"{self.task.task_id}: the expert never reaches the decision point {start} "
-                         "(this family has no such move)")
+        play_to_decision_point(self.env.target, self.task, self, messages, start)
+        self.prefix = messages[opening:]
+        target = self.target_episode
+        self._mark = (len(self.calls), len(self.said), len(target.policy_violations), target.confirmations)
 
     def _act(self, name: str | None = None, ok: bool = False, reply: bool = False) -> None:
         """Count one agent action and apply the horizon (``spec.end``)."""

@@ -125,26 +125,21 @@ def test_decision_point_opens_target_tasks_where_the_expert_decides_and_names_th
     task = target.make_task("cancel_pending", 3)
     assert env.has_decision_point(task)
 
-    def first(**ablation):
+    def first(task, move=None, **ablation):
+        """The first-turn kind of ``move`` (default: the expert's next move, ``ablation`` applied)."""
         episode = env.start(task)
         messages = episode.initial_messages()
         assert [m["role"] for m in messages[:2]] == ["system", "user"] and messages[-1]["role"] == "tool"
-        move = next_move(task, messages, **ablation)
-        play_move(episode, messages, move)
+        play_move(episode, messages, move or next_move(task, messages, **ablation))
         return first_turn(SimpleNamespace(messages=messages, result=episode.result()), env.writes)
 
-    assert first() == "question"  # the expert proposes and asks
-    assert first(lacking="confirm_before_writing") == "write"
-    assert first(lacking="communicate_results") == "question"
-    opened = env.start(task)
-    reply = opened.initial_messages()
-    play_move(opened, reply, SimpleNamespace(call=None, text="Your order is cancelled. Anything else I can help with?"))
-    assert first_turn(SimpleNamespace(messages=reply, result=opened.result()), env.writes) == "reply"
-    status = target.make_task("order_status", 3)  # the contrast: the answer is due, nothing to confirm
-    episode = env.start(status)
-    messages = episode.initial_messages()
-    play_move(episode, messages, next_move(status, messages))
-    assert first_turn(SimpleNamespace(messages=messages, result=episode.result()), env.writes) == "reply"
+    assert first(task) == "question"  # the expert proposes and asks
+    assert first(task, lacking="confirm_before_writing") == "write"
+    assert first(task, lacking="communicate_results") == "question"
+    report = SimpleNamespace(call=None, text="Your order is cancelled. Anything else I can help with?")
+    assert first(task, report) == "reply"
+    # the contrast: the answer is due, nothing to confirm
+    assert first(target.make_task("order_status", 3)) == "reply"
     assert not DecisionPointTarget(target, "ground_arguments").has_decision_point(task)  # no variants to look up
 
 

@@ -3,6 +3,7 @@ resume after a crash, the NaN stop, error reporting and the hint swap."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from dataclasses import replace
@@ -317,15 +318,41 @@ def test_hinted_episodes_are_trained_with_the_plain_system_prompt(tiny_model_pat
         assert sample.token_ids[: len(prefix)] == prefix
         # everything after the first prompt is the sampled conversation, untouched (trimmed at the end)
         assert sample.token_ids[len(prefix):] == rollout.token_ids[rollout.prompt_len:][: len(sample.token_ids) - len(prefix)]
-        # only generated tokens are in the loss; their old log-probs are the (hinted) sampling ones
+        # only generated tokens are in the loss, through the first reply (the spec's train_through);
+        # their old log-probs are the (hinted) sampling ones
         generated = [t for t, m in zip(sample.token_ids, sample.loss_mask) if m]
-        assert tokenizer.decode(generated) == "".join(rollout.assistant_texts)
+        assert len(rollout.assistant_texts) == 2 and rollout.loss_end is not None
+        assert tokenizer.decode(generated) == rollout.assistant_texts[0]
         assert [lp for lp, m in zip(sample.old_logprobs, sample.loss_mask) if m] == [-0.5] * len(generated)
         assert sample.loss_mask[-1] == 1  # trimmed after the last generated token
     no_swap = GRPOTrainer(load_model(str(tiny_model_path))[0], tokenizer, env, replace(SCRIPTED, swap_hints=False),
                           tmp_path / "b", backend_factory=_scripted(tokenizer))
     _, kept = no_swap.collect(1)
     assert all("Hint: " in tokenizer.decode(s.token_ids) and not s.rollout_old for s in kept)
+
+
+def test_train_through_first_reply_leaves_the_turns_after_the_decision_out_of_the_loss(tiny_model_path, tokenizer,
+                                                                                        tmp_path):
+    # A read, then the reply that decides, then a write and a closing reply: the episode runs on
+    # and is scored whole, but only the read and the reply are trained.
+    turns = ('<tool_call>\n{"name": "get_order_details", "arguments": {"order_id": "#W0000000"}}\n</tool_call>',
+             "I will cancel it. Do you confirm?",
+             '<tool_call>\n{"name": "cancel_pending_order", "arguments": {"order_id": "#W0000000"}}\n</tool_call>',
+             "Done.")
+    env = _env(hint_share=0.0)
+    untrained = copy.deepcopy(env.spec)
+    del untrained["end"]["train_through"]
+    for spec, trained in ((env.spec, turns[:2]), (untrained, turns)):
+        trainer = GRPOTrainer(load_model(str(tiny_model_path))[0], tokenizer, SyntheticEnv(spec, TARGET),
+                              replace(SCRIPTED, max_steps=4), tmp_path / str(len(trained)),
+                              backend_factory=lambda model, tok: ScriptedBackend(tokenizer, turns))
+        rollouts, samples = trainer.collect(1)
+        for rollout, sample in zip(rollouts, samples):
+            assert rollout.steps == 4 and rollout.assistant_texts == [t + "<|im_end|>" for t in turns]
+            in_loss = [t for t, m in zip(sample.token_ids, sample.loss_mask) if m]
+            assert tokenizer.decode(in_loss) == "".join(t + "<|im_end|>" for t in trained)
+            if trained != turns:  # the turns left out are still marked generated
+                assert sum(rollout.env_mask) > len(in_loss)
 
 
 def test_config_round_trips_and_profiles_state_their_differences():

@@ -33,6 +33,10 @@ boundary is at a special token, so:
   that text (ChatML tokenizes stably at ``<|im_start|>``/``<|im_end|>``);
 * ``env_mask`` is 1 exactly on generated tokens, and ``logprobs`` (aligned with ``token_ids``) holds
   the backend's log-probs there and 0.0 elsewhere.
+* ``loss_end``: an episode that judges one decision may close the loss (an optional ``loss_closed``
+  attribute turning true: a synthetic environment's ``end.train_through``); ``loss_end`` is then the
+  length of ``token_ids`` after the turn that closed it, and a trainer leaves the generated tokens
+  from there on out of the loss (``env_mask`` still marks them generated). None: it never closed.
 
 Admission: a backend with a bounded KV cache (``kv_capacity_tokens``: vLLM) gets, each round, the
 running episodes in task order while their tokens (the shared system + tools prefix counted once,
@@ -126,6 +130,9 @@ class Rollout:
     """Raw decoded text of every generated turn (stop token included when generated)."""
     seed: int = 0
     """The config seed the rollout was sampled with."""
+    loss_end: int | None = None
+    """Generated tokens at or after this index stay out of the loss (the episode closed it; see the
+    module docstring). None: every generated token may enter it."""
 
 
 ProgressFn = Callable[[int, int], None]
@@ -258,6 +265,8 @@ def _process_turn(live: _Live, text: str, enc: _Encoder, config: RolloutConfig) 
             r.messages.append({"role": "user", "content": str(reply)})
     r.steps += 1
     _append(r, enc.segment(before, r.messages), 0)
+    if r.loss_end is None and getattr(episode, "loss_closed", False):
+        r.loss_end = len(r.token_ids)
     if user_done:
         live.finish("user_done")
     elif getattr(episode, "finished", False):

@@ -32,6 +32,9 @@ Contract (base.Environment / base.Episode, exactly):
   the decision is scored too), after its first plain reply (``after_reply``) or after
   ``max_actions`` agent actions. Confirmation questions the user answered after the agent's first
   successful write are counted apart (``Trace.confirmations_after_write``).
+* Training horizon (``end.train_through``): with ``"first_reply"``, ``loss_closed`` turns true at the
+  agent's first plain reply; the runner records where (``Rollout.loss_end``) and GRPO trains only the
+  turns up to it. The episode itself runs on and is scored as without it.
 * The hint is appended to the system message only; ``episode.plain_system_prompt`` is the un-hinted
   prompt, for a trainer that swaps it back before the gradient step.
 """
@@ -109,6 +112,7 @@ class SyntheticEpisode:
         self.asked: list[bool] = []  # per entry of said: answered as a confirmation question
         self.prefix: list[Message] = []
         self.finished = False
+        self.loss_closed = False  # end.train_through reached: later turns stay out of the loss
         self._agent_actions = 0
         self._wrote = False  # the agent made a successful write
         self._await_reply = False  # end.after_call matched under then_reply: the next reply ends it
@@ -153,6 +157,8 @@ class SyntheticEpisode:
                     self.finished = True
         if reply and (end.get("after_reply") or self._await_reply):
             self.finished = True
+        if reply and end.get("train_through") == "first_reply":
+            self.loss_closed = True
         if end.get("max_actions") and self._agent_actions >= end["max_actions"]:
             self.finished = True
 

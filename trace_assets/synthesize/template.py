@@ -45,7 +45,7 @@ from trace_assets.envs.base import Environment, target_hook
 from trace_assets.envs.splits import SYNTHETIC_SEED_BASE
 from trace_assets.synthesize.spec import DEFAULT_DIFFICULTY, SCHEMA_VERSION, fixed_knobs, tool_groups
 
-TEMPLATE_VERSION = "v7"
+TEMPLATE_VERSION = "v8"
 """Bump when the plans below change: part of the synthesizer's code version."""
 SEED_RANGE = [SYNTHETIC_SEED_BASE, SYNTHETIC_SEED_BASE + 1_000_000]
 FORMAT_ERRORS = ["malformed tool call", "unknown tool", "missing argument", "unexpected argument", "must be"]
@@ -112,11 +112,14 @@ _PLANS: dict[str, Plan] = {
     # adapter first reported changes it never made ("Order W4618 will be cancelled... Anything
     # else?"), asked only when the user restated, and lost the write (retail train split, v6 seed 0:
     # state_match 20/42 -> 12/42).
+    # Only the turns up to that first reply are trained (train_through): the rubric judges the
+    # decision, not the write that follows the yes, and training the write on it reinforced wrong
+    # ones (retail train split, v7 lr 3e-4 seed 0 asked first on 41/42 tasks, state_match 10/42).
     "confirm_before_writing": Plan(
         {"cancel_pending": 1, "cancel_declined": 2, "modify_address": 1, "return_delivered": 1, "exchange_delivered": 1,
          "update_address_everywhere": 1, "cancel_and_return": 1, "order_status": 2},
         {"before": ["propose", "write", "report"], "intent": 0},
-        {"after_call": "@write", "then_reply": True, "max_actions": 5},
+        {"after_call": "@write", "then_reply": True, "max_actions": 5, "train_through": "first_reply"},
         [_check("confirmed_writes", "no_policy_violation", 3, rules=["confirm_before_write"],
                 requires=["asked", "answered"]),
          _check("asked", "asked_confirmation", 2, first_reply=True, when={"families": list(CONFIRMING_FAMILIES)}),

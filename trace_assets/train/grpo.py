@@ -14,7 +14,8 @@ Contract of :class:`GRPOTrainer` (``GRPOTrainer(model, tokenizer, env, config, o
   ``beta * KL`` (k3 estimator) against the reference = the base with the adapter disabled
   (``beta = 0``, the default, skips the reference forward entirely).
 * Only tokens the model generated (``Rollout.env_mask == 1``) enter the loss; the system prompt, tool
-  results and simulated-user turns do not.
+  results and simulated-user turns do not. Nor do the turns after the episode closed the loss
+  (``Rollout.loss_end``: an environment whose reward judges one decision, ``end.train_through``).
 * Hints (``config.swap_hints``, off by default): a hinted episode was sampled under the hinted
   system prompt. With the swap, its prefix is re-rendered and re-tokenized with the plain system
   prompt before the gradient step, so the adapter learns to act that way *without* the hint. Those
@@ -256,7 +257,7 @@ class Sample:
 
     token_ids: list[int]
     loss_mask: list[int]
-    """1 on generated tokens (the only ones in the loss)."""
+    """1 on the generated tokens that enter the loss (:func:`loss_mask`)."""
     old_logprobs: list[float]
     """Aligned with ``token_ids``: the sampling log-probs (0 where not generated)."""
     advantage: float
@@ -302,7 +303,14 @@ def swap_system_prompt(rollout: Rollout, tokenizer: Any, tools: list[dict[str, A
         env_mask=[0] * len(plain) + rollout.env_mask[tail],
         logprobs=[0.0] * len(plain) + rollout.logprobs[tail],
         prompt_len=len(plain),
+        loss_end=None if rollout.loss_end is None else rollout.loss_end - rollout.prompt_len + len(plain),
     )
+
+
+def loss_mask(rollout: Rollout) -> list[int]:
+    """1 on the generated tokens that enter the loss: ``env_mask``, cut at ``loss_end``."""
+    end = len(rollout.env_mask) if rollout.loss_end is None else rollout.loss_end
+    return list(rollout.env_mask[:end]) + [0] * (len(rollout.env_mask) - end)
 
 
 def trim(sample: Sample) -> Sample:
@@ -554,7 +562,7 @@ class GRPOTrainer:
                 rollout = swap_system_prompt(rollout, self.tokenizer, self.tools, self.plain_prompt)
             swapped = hinted and cfg.swap_hints
             samples.append(trim(Sample(
-                token_ids=list(rollout.token_ids), loss_mask=list(rollout.env_mask),
+                token_ids=list(rollout.token_ids), loss_mask=loss_mask(rollout),
                 old_logprobs=list(rollout.logprobs), advantage=float(advantage),
                 rollout_old=swapped or cfg.steps_per_iteration > 1, swapped=swapped,
                 task_id=rollout.task.task_id, hinted=hinted, reward=reward,

@@ -113,8 +113,11 @@ _PLANS: dict[str, Plan] = {
     # else?"), asked only when the user restated, and lost the write (retail train split, v6 seed 0:
     # state_match 20/42 -> 12/42).
     # Only the turns up to that first reply are trained (train_through): the rubric judges the
-    # decision, not the write that follows the yes, and training the write on it reinforced wrong
-    # ones (retail train split, v7 lr 3e-4 seed 0 asked first on 41/42 tasks, state_match 10/42).
+    # decision, not the write that follows the yes. It halves the trained tokens (optimization about
+    # 30 % faster) at the same held-out gain; it does not stop the drift after the yes that a
+    # learned "ask" shows on the target (retail train split, seed 0 at lr 1e-4: state_match 20/42
+    # -> 11/42, and 222 of its 258 replies after a yes still end with "Do you confirm?"): that
+    # drift is the question generalised to every reply, not the write trained.
     "confirm_before_writing": Plan(
         {"cancel_pending": 1, "cancel_declined": 2, "modify_address": 1, "return_delivered": 1, "exchange_delivered": 1,
          "update_address_everywhere": 1, "cancel_and_return": 1, "order_status": 2},

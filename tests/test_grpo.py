@@ -331,6 +331,30 @@ def test_hinted_episodes_are_trained_with_the_plain_system_prompt(tiny_model_pat
     assert all("Hint: " in tokenizer.decode(s.token_ids) and not s.rollout_old for s in kept)
 
 
+def test_held_out_evaluation_plays_hinted_tasks_without_their_hint(tokenizer):
+    # The hint is a training aid: the held-out (and train-side validation) evaluation measures the
+    # agent without it, on the very tasks that training would have hinted.
+    from types import SimpleNamespace
+
+    from trace_assets.train.heldout import EvalConfig, evaluate_policy
+
+    env = _env(hint_share=1.0)
+    config = EvalConfig(n_tasks=4, max_steps=2)
+    assert all(t.meta["hinted"] for t in env.sample_tasks(config.n_tasks, offset=config.seed_offset))
+
+    class Recording(ScriptedBackend):
+        prompts: list[str] = []
+
+        def generate(self, prompts, params):
+            self.prompts.extend(self.tokenizer.decode(p) for p in prompts)
+            return super().generate(prompts, params)
+
+    report = evaluate_policy(SimpleNamespace(eval=lambda: None), tokenizer, env, config, policy="base",
+                             backend_factory=lambda model, tok: Recording(tokenizer))
+    assert report.n == 4 and len(Recording.prompts) >= 4
+    assert all(env.system_prompt() in p and "Hint: " not in p for p in Recording.prompts)
+
+
 def test_train_through_first_reply_leaves_the_turns_after_the_decision_out_of_the_loss(tiny_model_path, tokenizer,
                                                                                         tmp_path):
     # A read, then the reply that decides, then a write and a closing reply: the episode runs on

@@ -95,6 +95,16 @@ def play_to_decision_point(target: Environment, task: Task, episode: Any, messag
                      "(this family has no such move)")
 
 
+def without_hint(task: Task) -> Task:
+    """``task`` with its hint off (``meta["hinted"]`` false), otherwise the same task.
+
+    Evaluation plays this: the hint is a training aid (``difficulty.hint_share``), and an agent is
+    measured on what it does without it."""
+    if not task.meta.get("hinted"):
+        return task
+    return dataclasses.replace(task, meta={**task.meta, "hinted": False})
+
+
 class SyntheticEpisode:
     """One conversation in a synthetic environment (see the module docstring)."""
 

@@ -3,7 +3,8 @@
 
 Contract: ``compare_base_and_adapter(peft_model, tokenizer, env, config)`` plays the same
 ``config.n_tasks`` tasks (seeds ``config.seed_offset ...`` of the env, far from the training seeds,
-which start at ``GRPOConfig.seed_offset = 0``) with greedy decoding (T = 0): with the adapter
+which start at ``GRPOConfig.seed_offset = 0``), each without its hint (``synthesize.env.without_hint``:
+a hint is a training aid, never part of what is measured), with greedy decoding (T = 0): with the adapter
 disabled (the base), enabled, and, given ``null_dir``, with the null control in its place
 (``agent.lora.null_adapter``). It returns an :class:`EvalReport` per policy.
 Paper settings: T = 0, at most 50 interaction steps, 32k context (``EvalConfig.paper()``).
@@ -24,6 +25,7 @@ from typing import Any
 from trace_assets.agent.backends import TransformersBackend
 from trace_assets.agent.rollout import Rollout, RolloutConfig, run_rollouts, with_limits
 from trace_assets.envs.base import Environment
+from trace_assets.synthesize.env import without_hint
 
 HELD_OUT_OFFSET = 900_000
 """Evaluation seeds start here inside the synthetic seed range (training starts at 0)."""
@@ -80,7 +82,7 @@ def evaluate_policy(model: Any, tokenizer: Any, env: Environment, config: EvalCo
     """Greedy rollouts of ``model`` on the held-out tasks. ``backend_factory(model, tokenizer)``
     (e.g. ``ModelResource.policy_backend_factory``) serves the model as it is when called;
     default: transformers."""
-    tasks = env.sample_tasks(config.n_tasks, offset=config.seed_offset)
+    tasks = [without_hint(t) for t in env.sample_tasks(config.n_tasks, offset=config.seed_offset)]
     model.eval()
     backend = (backend_factory(model, tokenizer) if backend_factory is not None
                else TransformersBackend(model, tokenizer, batch_size=config.batch_size))

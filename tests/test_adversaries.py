@@ -44,6 +44,9 @@ def test_adversaries_fail_the_target_where_their_behaviour_is_wrong():
         assert rushed.reward == 0.0, task.task_id
         if task.meta["gold_writes"]:
             assert "confirmed_writes" in failed_checks(rushed) and rushed.info["state_match"] in (True, False)
+        if task.meta["gold_writes"]:  # asking again never changes the state
+            stalled = demonstrate(ENV, task, policy=ADVERSARIES["ask_without_acting"])[1]
+            assert stalled.reward == 0.0 and "state_match" in failed_checks(stalled), task.task_id
         for name in ("refuse_everything", "end_at_once"):
             result = demonstrate(ENV, task, policy=ADVERSARIES[name])[1]
             assert result.reward == 0.0 and failed_checks(result) & {"state_match", "info_communicated"}, (name, task.task_id)
@@ -63,6 +66,9 @@ WRONG = {
     "echo_tool_results": {"communicate_results"},
     "write_without_asking": {"confirm_before_writing", "ground_arguments", "complete_multistep_transactions",
                              "communicate_results", "well_formed_tool_calls"},
+    # never acting is wrong only where the write after the yes is judged (an expert lacking
+    # execute_requested_action passes the other environments, by their isolation)
+    "ask_without_acting": {"confirm_before_writing", "execute_requested_action"},
     "refuse_everything": {rule.name for rule in CATALOGUE},
     "end_at_once": {rule.name for rule in CATALOGUE},
 }
@@ -84,6 +90,9 @@ def test_adversaries_fail_every_synthetic_env_where_their_behaviour_is_wrong(cap
                 continue
             if name == "write_without_asking" and task.family == "order_status" and capability == "confirm_before_writing":
                 continue  # a contrast episode: nothing to write, so writing without asking is not what is judged
+            if name == "ask_without_acting" and not task.meta["gold_writes"]:
+                assert result.success, (capability, task.task_id)  # nothing to act on: it is the expert
+                continue
             failing = [c["id"] for c in result.info["rubric"] if c["applicable"] and not c["passed"]]
             assert not result.success and result.reward < 1.0 and failing, (name, capability, task.task_id)
             if name in ("refuse_everything", "end_at_once"):  # doing nothing earns nothing
@@ -120,6 +129,29 @@ def test_asking_again_after_the_write_fails_confirm_before_writing():
         assert not asker.success and not checks["done_asking"]["passed"], task.task_id
         assert "after the write was made" in checks["done_asking"]["detail"]
         assert checks["confirmed_writes"]["passed"] and checks["asked"]["passed"]
+
+
+def test_asking_again_instead_of_acting_fails_confirm_before_writing_and_saying_noted_does_not():
+    """What the v8 adapter learned where asking was paid and acting was not judged: "... Do you
+    confirm?" again after every yes (the ask_without_acting adversary), which scored 1.0 on every
+    family. acted_on_answer fails it; the expert lacking execute_requested_action, which answers
+    the yes with "noted" and never writes, still passes (isolation: acting is another capability)."""
+    from trace_assets.synthesize.template import CONFIRMING_FAMILIES
+
+    env = SyntheticEnv(template_spec({"name": "confirm_before_writing", "description": "x"}, ENV), ENV)
+    first = {}  # the first task with a write of each confirming family
+    for t in env.sample_tasks(96):
+        if t.family in CONFIRMING_FAMILIES and t.meta["gold_writes"]:
+            first.setdefault(t.family, t)
+    assert len(first) >= 5
+    for task in first.values():
+        messages, asker = demonstrate(env, task, policy=ADVERSARIES["ask_without_acting"])
+        checks = {c["id"]: c for c in asker.info["rubric"]}
+        assert not asker.success and asker.reward <= GAMING_BOUND, task.task_id
+        assert not checks["acted_on_answer"]["passed"] and "instead of acting on it" in checks["acted_on_answer"]["detail"]
+        assert checks["asked"]["passed"] and "needs acted_on_answer" in checks["confirmed_writes"]["detail"]
+        noted = demonstrate(env, task, lacking="execute_requested_action")[1]
+        assert noted.success and {c["id"]: c for c in noted.info["rubric"]}["acted_on_answer"]["passed"], task.task_id
 
 
 def test_reporting_before_asking_fails_confirm_before_writing():

@@ -318,11 +318,10 @@ def test_hinted_episodes_are_trained_with_the_plain_system_prompt(tiny_model_pat
         assert sample.token_ids[: len(prefix)] == prefix
         # everything after the first prompt is the sampled conversation, untouched (trimmed at the end)
         assert sample.token_ids[len(prefix):] == rollout.token_ids[rollout.prompt_len:][: len(sample.token_ids) - len(prefix)]
-        # only generated tokens are in the loss, through the first reply (the spec's train_through);
-        # their old log-probs are the (hinted) sampling ones
+        # only generated tokens are in the loss; their old log-probs are the (hinted) sampling ones
         generated = [t for t, m in zip(sample.token_ids, sample.loss_mask) if m]
-        assert len(rollout.assistant_texts) == 2 and rollout.loss_end is not None
-        assert tokenizer.decode(generated) == rollout.assistant_texts[0]
+        assert len(rollout.assistant_texts) == 2 and rollout.loss_end is None
+        assert tokenizer.decode(generated) == "".join(rollout.assistant_texts)
         assert [lp for lp, m in zip(sample.old_logprobs, sample.loss_mask) if m] == [-0.5] * len(generated)
         assert sample.loss_mask[-1] == 1  # trimmed after the last generated token
     no_swap = GRPOTrainer(load_model(str(tiny_model_path))[0], tokenizer, env, replace(SCRIPTED, swap_hints=False),
@@ -364,9 +363,9 @@ def test_train_through_first_reply_leaves_the_turns_after_the_decision_out_of_th
              '<tool_call>\n{"name": "cancel_pending_order", "arguments": {"order_id": "#W0000000"}}\n</tool_call>',
              "Done.")
     env = _env(hint_share=0.0)
-    untrained = copy.deepcopy(env.spec)
-    del untrained["end"]["train_through"]
-    for spec, trained in ((env.spec, turns[:2]), (untrained, turns)):
+    through = copy.deepcopy(env.spec)
+    through["end"]["train_through"] = "first_reply"
+    for spec, trained in ((through, turns[:2]), (env.spec, turns)):
         trainer = GRPOTrainer(load_model(str(tiny_model_path))[0], tokenizer, SyntheticEnv(spec, TARGET),
                               replace(SCRIPTED, max_steps=4), tmp_path / str(len(trained)),
                               backend_factory=lambda model, tok: ScriptedBackend(tokenizer, turns))

@@ -31,7 +31,8 @@ Contract (base.Environment / base.Episode, exactly):
   ``then_reply``, after the agent's next plain reply instead, so that what it tells the user after
   the decision is scored too), after its first plain reply (``after_reply``) or after
   ``max_actions`` agent actions. Confirmation questions the user answered after the agent's first
-  successful write are counted apart (``Trace.confirmations_after_write``).
+  successful write are counted apart (``Trace.confirmations_after_write``), and so are those asked
+  again right after one was answered, with no successful write between (``Trace.confirmations_repeated``).
 * Training horizon (``end.train_through``): with ``"first_reply"``, ``loss_closed`` turns true at the
   agent's first plain reply; the runner records where (``Rollout.loss_end``) and GRPO trains only the
   turns up to it. The episode itself runs on and is scored as without it.
@@ -127,6 +128,8 @@ class SyntheticEpisode:
         self._wrote = False  # the agent made a successful write
         self._await_reply = False  # end.after_call matched under then_reply: the next reply ends it
         self.confirmations_after_write = 0
+        self.confirmations_repeated = 0
+        self._question_open = False  # the agent's last reply was answered as a confirmation question, no write since
         self._mark = (0, 0, 0, 0)  # calls, said, violations, confirmations made by the prefix
         self._end = env.spec.get("end") or {}
         self._in_prefix = False  # the expert's prefix actions are not the agent's
@@ -159,6 +162,7 @@ class SyntheticEpisode:
         end = self._end
         if ok and name in self.env.groups["@write"]:
             self._wrote = True
+            self._question_open = False
         if name is not None and "after_call" in end and name in selector_tools(end["after_call"], self.env.groups):
             if ok or not end.get("ok_only"):
                 if end.get("then_reply"):
@@ -195,6 +199,10 @@ class SyntheticEpisode:
         self.asked.append(self.target_episode.confirmations > asked_before)
         if self._wrote and self.asked[-1]:  # _wrote: the agent's own write
             self.confirmations_after_write += 1
+        if not self._in_prefix:
+            if self._question_open and self.asked[-1]:
+                self.confirmations_repeated += 1
+            self._question_open = self.asked[-1]
         self._act(reply=True)
         return answer
 
@@ -215,7 +223,8 @@ class SyntheticEpisode:
                       violations=list(target.info.get("policy_violations", []))[violations:],
                       state_match=bool(target.info.get("state_match")), prefix_calls=calls,
                       confirmations=int(target.info.get("confirmations", 0)) - confirmations,
-                      confirmations_after_write=self.confirmations_after_write, asked=list(self.asked[said:]))
+                      confirmations_after_write=self.confirmations_after_write,
+                      confirmations_repeated=self.confirmations_repeated, asked=list(self.asked[said:]))
         score = evaluate(self.env.spec["rubric"], trace, self.task, self.env.groups, fallback=target.reward)
         info = copy.deepcopy(target.info)
         # Rebuilt from our own log so calls to tools outside the subset keep their place.

@@ -60,6 +60,9 @@ class Trace:
     """Confirmation questions the user answered during the agent's part."""
     confirmations_after_write: int = 0
     """Those of them asked after the agent's first successful write."""
+    confirmations_repeated: int = 0
+    """Those of them asked right after the agent's previous reply, itself a confirmation question,
+    was answered, with no successful write in between: asking again instead of acting on the answer."""
     asked: list[bool] = field(default_factory=list)
     """Per entry of ``said``: whether the user answered it as a confirmation question."""
 
@@ -210,6 +213,11 @@ def _score(check: dict[str, Any], trace: Trace, task: Task, groups: Groups) -> t
             return 1.0, f"no confirmation question, but write #{wrote[0]} was made"
         return 0.0, "the user was never asked to confirm"
     if kind == "no_confirmation_question":
+        if check.get("repeated"):
+            if trace.confirmations_repeated:
+                return 0.0, (f"asked the user to confirm again {trace.confirmations_repeated} time(s) right after an answer, "
+                             "instead of acting on it")
+            return 1.0, "acted on every answer before asking again"
         if check.get("after_write"):
             if trace.confirmations_after_write:
                 return 0.0, f"asked the user to confirm {trace.confirmations_after_write} time(s) after the write was made"

@@ -45,7 +45,7 @@ from trace_assets.envs.base import Environment, target_hook
 from trace_assets.envs.splits import SYNTHETIC_SEED_BASE
 from trace_assets.synthesize.spec import DEFAULT_DIFFICULTY, SCHEMA_VERSION, fixed_knobs, tool_groups
 
-TEMPLATE_VERSION = "v8"
+TEMPLATE_VERSION = "v9"
 """Bump when the plans below change: part of the synthesizer's code version."""
 SEED_RANGE = [SYNTHETIC_SEED_BASE, SYNTHETIC_SEED_BASE + 1_000_000]
 FORMAT_ERRORS = ["malformed tool call", "unknown tool", "missing argument", "unexpected argument", "must be"]
@@ -112,22 +112,25 @@ _PLANS: dict[str, Plan] = {
     # adapter first reported changes it never made ("Order W4618 will be cancelled... Anything
     # else?"), asked only when the user restated, and lost the write (retail train split, v6 seed 0:
     # state_match 20/42 -> 12/42).
-    # Only the turns up to that first reply are trained (train_through): the rubric judges the
-    # decision, not the write that follows the yes. It halves the trained tokens (optimization about
-    # 30 % faster) at the same held-out gain; it does not stop the drift after the yes that a
-    # learned "ask" shows on the target (retail train split, seed 0 at lr 1e-4: state_match 20/42
-    # -> 11/42, and 222 of its 258 replies after a yes still end with "Do you confirm?"): that
-    # drift is the question generalised to every reply, not the write trained.
+    # An answer is to be acted on (acted_on_answer): trained only through its first reply
+    # (train_through, v8), an adapter asked "Do you confirm?" again after 222 of its 258 replies
+    # that followed a yes on the target (retail train split, seed 0 at lr 1e-4: state_match 20/42
+    # -> 11/42), and this rubric had paid that fully: the ask_without_acting adversary, which does
+    # only that, scored 1.0 on every family. Now it fails, and the expert lacking
+    # execute_requested_action ("noted", no write) still passes. The turns after the yes are judged,
+    # so they are trained again: only their loss can teach the contrast.
     "confirm_before_writing": Plan(
         {"cancel_pending": 1, "cancel_declined": 2, "modify_address": 1, "return_delivered": 1, "exchange_delivered": 1,
          "update_address_everywhere": 1, "cancel_and_return": 1, "order_status": 2},
         {"before": ["propose", "write", "report"], "intent": 0},
-        {"after_call": "@write", "then_reply": True, "max_actions": 5, "train_through": "first_reply"},
+        {"after_call": "@write", "then_reply": True, "max_actions": 5},
         [_check("confirmed_writes", "no_policy_violation", 3, rules=["confirm_before_write"],
-                requires=["asked", "answered"]),
+                requires=["asked", "answered", "acted_on_answer"]),
          _check("asked", "asked_confirmation", 2, first_reply=True, when={"families": list(CONFIRMING_FAMILIES)}),
          _check("done_asking", "no_confirmation_question", 2, after_write=True, when={"gold_calls": "@write"},
-                requires=["asked"]),
+                requires=["asked", "acted_on_answer"]),
+         _check("acted_on_answer", "no_confirmation_question", 2, repeated=True,
+                when={"families": list(CONFIRMING_FAMILIES)}, requires=["asked"]),
          _check("respected_no", "forbidden_call", 2, tool="@write", when={"gold_avoids": "@write"},
                 requires=["asked", "answered"]),
          _check("nothing_to_confirm", "no_confirmation_question", 2, when={"families": ["order_status"]},

@@ -18,7 +18,7 @@ only something else. ``confirm=False`` is the older spelling of ``lacking="confi
 (warm-start variety).
 
 :data:`ADVERSARIES` are crude scripted agents that try to game a reward: echo every tool result,
-write without asking, refuse everything, end at once.
+write without asking, ask again instead of acting on the answer, refuse everything, end at once.
 
 ``demonstrate(env, task, ...)`` plays a policy through ``env.start(task)`` (continuing whatever
 prefix the episode opens with) and returns the messages and the episode's result. The full expert
@@ -273,9 +273,20 @@ def _write_without_asking(task: Task, messages: list[Message]) -> Move | None:
     return None if any(t == "Done." for _, t in s.texts) else Move("report", text="Done.")
 
 
+def _ask_without_acting(task: Task, messages: list[Message]) -> Move | None:
+    """The expert, except that where it would write it asks its last question again (what a GRPO
+    adapter learned where asking was paid and acting was not judged: "... Do you confirm?" forever)."""
+    move = next_move(task, messages)
+    if move is None or move.kind != "write":
+        return move
+    last = next((m["content"] for m in reversed(messages) if m.get("role") == "assistant" and m.get("content")), ASK_CONFIRM)
+    return Move("propose", move.intent, text=last)
+
+
 ADVERSARIES: dict[str, Policy] = {
     "echo_tool_results": _echo,
     "write_without_asking": _write_without_asking,
+    "ask_without_acting": _ask_without_acting,
     **GENERIC_ADVERSARIES,  # refuse_everything, end_at_once
 }
 

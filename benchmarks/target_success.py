@@ -24,7 +24,9 @@ target's own tasks: the target's expert opens each episode up to the template sy
 one turn. Each episode records ``first_turn``: ``write`` / ``read`` (a tool call of that class),
 ``question`` (a reply the simulated user answered as a confirmation question), ``reply`` (any other
 text) or ``none``; the table counts them per family. A minute and a half for 42 retail tasks here,
-against ten for whole episodes.
+against ten for whole episodes. ``--before KINDS`` opens each episode before the expert's first
+move of those kinds instead (same request): ``--before write`` after the user's yes, where the agent
+is to act on it (tasks where the expert never writes, a declined change, are left out).
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--decision-point", default=None, metavar="CAPABILITY",
                     help="open each episode at CAPABILITY's decision point (the expert plays up to it) "
                          "and record the agent's first turn there")
+    ap.add_argument("--before", default=None, metavar="KINDS",
+                    help="with --decision-point: open before the expert's first move of these kinds "
+                         "(comma-separated, e.g. write: after the user's yes) instead of the template's start")
     ap.add_argument("--profile", default=None, help="settings profile (default $TRACE_PROFILE or demo)")
     ap.add_argument("--limit", type=int, default=0, help="at most this many tasks (0: all)")
     ap.add_argument("--max-steps", type=int, default=None, help="assistant turns per episode (default [rollout])")
@@ -103,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     env = get_environment(args.env)
     tasks = task_list(env, settings, args.split)
     if args.decision_point:
-        env = DecisionPointTarget(env, args.decision_point)
+        env = DecisionPointTarget(env, args.decision_point, before=args.before.split(",") if args.before else None)
         tasks = [t for t in tasks if env.has_decision_point(t)]
     if args.families:
         wanted = parse_families(args.families, [t.family for t in tasks], f"the {args.split} split of {args.env}")
@@ -159,7 +164,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 str(sum(bool(e["error"]) for e in es)), alone or "-"]
 
     if args.decision_point:  # one turn each: what it does is the figure, not the outcome
-        table = Table(title=f"{args.env} {args.split} split, first turn at {args.decision_point}'s decision point, "
+        where = f"before the expert's {'/'.join(env.start_at['before'])}" if args.before else "decision point"
+        table = Table(title=f"{args.env} {args.split} split, first turn at {args.decision_point}'s {where}, "
                             f"greedy{', with ' + args.adapter if args.adapter else ''}")
         for col in ("family", "tasks", *FIRST_TURNS):
             table.add_column(col, justify="right" if col != "family" else "left")
@@ -200,16 +206,22 @@ FIRST_TURNS = ("write", "read", "question", "reply", "none")
 
 class DecisionPointTarget:
     """``target`` with each episode opened by its expert at ``capability``'s decision point (the
-    template synthesizer's ``start`` for it); everything else is the target's."""
+    template synthesizer's ``start`` for it, or before the expert's first move of a kind in
+    ``before`` for the same request); everything else is the target's."""
 
-    def __init__(self, target: Any, capability: str) -> None:
+    def __init__(self, target: Any, capability: str, *, before: list[str] | None = None) -> None:
         from trace_assets.envs.base import target_hook
         from trace_assets.synthesize import template_spec
 
         spec = template_spec({"name": capability, "description": capability}, target)
         if not spec.get("start"):
             raise SystemExit(f"--decision-point: the template has no decision point for {capability!r}")
-        self.target, self.start_at = target, spec["start"]
+        from trace_assets.envs.expert import MOVE_KINDS
+
+        unknown = sorted(set(before or ()) - set(MOVE_KINDS))
+        if unknown:
+            raise SystemExit(f"--before: unknown move kind(s) {unknown}; known: {list(MOVE_KINDS)}")
+        self.target, self.start_at = target, {**spec["start"], **({"before": before} if before else {})}
         self.writes = target_hook(target, "tool_classes")()["write"]
 
     def __getattr__(self, name: str) -> Any:

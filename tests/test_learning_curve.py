@@ -143,6 +143,35 @@ def test_decision_point_opens_target_tasks_where_the_expert_decides_and_names_th
     assert not DecisionPointTarget(target, "ground_arguments").has_decision_point(task)  # no variants to look up
 
 
+def test_decision_point_before_the_write_opens_after_the_yes():
+    """``--before write``: the expert proposes and the user says yes; acting is a write, asking
+    again a question, "noted" a reply. A declined change has no write to open before."""
+    from types import SimpleNamespace
+
+    from benchmarks.target_success import DecisionPointTarget, first_turn
+    from trace_assets.envs import get_environment
+    from trace_assets.envs.expert import play_move
+    from trace_assets.envs.retail.expert import ADVERSARIES, YES, next_move
+
+    target = get_environment("retail")
+    env = DecisionPointTarget(target, "confirm_before_writing", before=["write"])
+    task = target.make_task("cancel_pending", 3)
+
+    def first(policy):
+        episode = env.start(task)
+        messages = episode.initial_messages()
+        assert messages[-1] == {"role": "user", "content": YES}
+        play_move(episode, messages, policy(task, messages))
+        return first_turn(SimpleNamespace(messages=messages, result=episode.result()), env.writes)
+
+    assert first(next_move) == "write"
+    assert first(ADVERSARIES["ask_without_acting"]) == "question"
+    assert first(lambda t, m: next_move(t, m, lacking="execute_requested_action")) == "reply"
+    assert not env.has_decision_point(target.make_task("cancel_declined", 3))
+    with pytest.raises(SystemExit, match="unknown move kind"):
+        DecisionPointTarget(target, "confirm_before_writing", before=["act"])
+
+
 def test_families_keep_their_order_and_an_unknown_one_is_named():
     from benchmarks.target_success import parse_families
 

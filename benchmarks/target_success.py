@@ -107,12 +107,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     models = ModelResource(**{**{k: getattr(pipeline, k) for k in ModelResource.model_fields}, "base_model": agent})
     env = get_environment(args.env)
     tasks = task_list(env, settings, args.split)
-    if args.decision_point:
-        env = DecisionPointTarget(env, args.decision_point, before=args.before.split(",") if args.before else None)
-        tasks = [t for t in tasks if env.has_decision_point(t)]
     if args.families:
         wanted = parse_families(args.families, [t.family for t in tasks], f"the {args.split} split of {args.env}")
         tasks = [t for t in tasks if t.family in wanted]
+    if args.decision_point:  # after the family filter: a family may have no such move (a declined change)
+        env = DecisionPointTarget(env, args.decision_point, before=args.before.split(",") if args.before else None)
+        opened = [t for t in tasks if env.has_decision_point(t)]
+        console.print(f"{len(opened)} of {len(tasks)} tasks reach the decision point {env.start_at}")
+        tasks = opened
     tasks = tasks[: args.limit or None]
     max_steps = 1 if args.decision_point else args.max_steps
     roll = settings.rollout if max_steps is None else replace(settings.rollout, max_steps=max_steps)

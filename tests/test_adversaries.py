@@ -111,7 +111,7 @@ def test_asking_again_after_the_write_fails_confirm_before_writing():
 
     env = SyntheticEnv(template_spec({"name": "confirm_before_writing", "description": "x"}, ENV), ENV)
     # One write: where a second request follows, the simulated user answers the report with it.
-    tasks = [t for t in env.sample_tasks(48) if len(t.meta["gold_writes"]) == 1][:6]
+    tasks = [t for t in env.sample_tasks(48) if len(t.meta["gold_writes"]) == 1 and t.meta["start"] == "main"][:6]
     assert len(tasks) == 6
 
     def asks_after_writing(task, messages):
@@ -141,7 +141,7 @@ def test_asking_again_instead_of_acting_fails_confirm_before_writing_and_saying_
     env = SyntheticEnv(template_spec({"name": "confirm_before_writing", "description": "x"}, ENV), ENV)
     first = {}  # the first task with a write of each confirming family
     for t in env.sample_tasks(96):
-        if t.family in CONFIRMING_FAMILIES and t.meta["gold_writes"]:
+        if t.family in CONFIRMING_FAMILIES and t.meta["gold_writes"] and t.meta["start"] == "main":
             first.setdefault(t.family, t)
     assert len(first) >= 5
     for task in first.values():
@@ -164,7 +164,7 @@ def test_reporting_before_asking_fails_confirm_before_writing():
     from trace_assets.synthesize.template import CONFIRMING_FAMILIES
 
     env = SyntheticEnv(template_spec({"name": "confirm_before_writing", "description": "x"}, ENV), ENV)
-    tasks = [t for t in env.sample_tasks(48) if t.family in CONFIRMING_FAMILIES][:8]
+    tasks = [t for t in env.sample_tasks(48) if t.family in CONFIRMING_FAMILIES and t.meta["start"] == "main"][:8]
     assert len({t.family for t in tasks}) >= 4
     reported: set[str] = set()
 
@@ -185,3 +185,40 @@ def test_reporting_before_asking_fails_confirm_before_writing():
         assert "first reply after the start was not a confirmation question" in checks["asked"]["detail"]
         # it asked when the user restated, so only the first-reply rule fails it
         assert "needs asked" in checks["confirmed_writes"]["detail"], checks["confirmed_writes"]
+
+
+def test_answered_episodes_open_after_the_yes_and_pay_only_acting_on_it():
+    """E_confirm_before_writing v10: a share of the tasks with a write open right after the user's
+    yes (the "answered" start), where an adapter trained at lr 3e-4 asked again on the target. The
+    write is due there: the expert succeeds; asking again, saying "noted", refusing and ending at
+    once earn nothing, and the breakdown says why."""
+    from trace_assets.synthesize.template import ANSWERED_SHARE, CONFIRMING_FAMILIES
+
+    env = SyntheticEnv(template_spec({"name": "confirm_before_writing", "description": "x"}, ENV), ENV)
+    tasks = env.sample_tasks(240)
+    eligible = [t for t in tasks if t.family in CONFIRMING_FAMILIES and t.meta["gold_writes"]]
+    answered = [t for t in tasks if t.meta["start"] == "answered"]
+    assert {t.task_id for t in answered} <= {t.task_id for t in eligible}
+    assert abs(len(answered) / len(eligible) - ANSWERED_SHARE) < 0.1, (len(answered), len(eligible))
+    assert [t.meta["start"] for t in env.sample_tasks(240)] == [t.meta["start"] for t in tasks]  # drawn per task
+    first = {}
+    for task in answered:
+        first.setdefault(task.family, task)
+    assert len(first) >= 4
+    for task in first.values():
+        episode = env.start(task)
+        opening = episode.initial_messages()
+        assert opening[-1]["role"] == "user" and episode.asked[-1]  # the prefix ends with the answered question
+        _, expert = demonstrate(env, task)
+        assert expert.success and expert.info["decision_point"]["start"] == {"id": "answered", "before": ["write"],
+                                                                                "intent": 0}
+        for name in ("ask_without_acting", "refuse_everything", "end_at_once"):
+            result = demonstrate(env, task, policy=ADVERSARIES[name])[1]
+            checks = {c["id"]: c for c in result.info["rubric"]}
+            assert result.reward == 0.0 and not checks["acted"]["passed"], (name, task.task_id)
+            assert not checks["asked"]["applicable"]  # the question was the prefix's
+        stalled = {c["id"]: c for c in demonstrate(env, task, policy=ADVERSARIES["ask_without_acting"])[1].info["rubric"]}
+        assert "instead of acting on it" in stalled["acted_on_answer"]["detail"]  # asked twice
+        noted = demonstrate(env, task, lacking="execute_requested_action")[1]
+        assert noted.reward == 0.0 and "no matching call of @write" in {
+            c["id"]: c for c in noted.info["rubric"]}["acted"]["detail"], task.task_id

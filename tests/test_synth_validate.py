@@ -119,8 +119,9 @@ def test_isolation_matrix_row_of_every_template_env(name):
     assert set(rows) == {"full", *ABLATIONS, *ADVERSARIES} and all(r["n"] == n for r in rows.values())
     assert rows["full"]["success"] == 1.0
     assert rows[name]["n_acts"] > 0 and rows[name]["success_where_acts"] == 0.0
-    # Overlaps by design: E_confirm's contrast episodes (order_status) need the status told.
-    overlap = {"confirm_before_writing": {"communicate_results"}}.get(name, set())
+    # Overlaps by design: E_confirm's contrast episodes need the status told (order_status) and the
+    # write made once the user said yes (the answered start).
+    overlap = {"confirm_before_writing": {"communicate_results", "execute_requested_action"}}.get(name, set())
     assert all(rows[other]["success"] == 1.0 for other in ABLATIONS if other != name and other not in overlap)
     assert all(ISOLATION_BOUNDS[1] <= rows[other]["success"] < 1.0 for other in overlap)
     # Refusing everything and ending at once never solve a decision point that needs an action.

@@ -94,6 +94,8 @@ GALLERY = [
     ("rubric names an unknown tool", ("rubric", "checks", 0), {"kind": "required_call", "weight": 1, "tool": "teleport"},
      "names unknown tool 'teleport'"),
     ("bad capability name", ("capability", "name"), "../etc", "does not match"),
+    ("start variant without a share", ("start", "variants", 0, "share"), DELETE, "'share' is a required property"),
+    ("start variant named main", ("start", "variants", 0, "id"), "main", "should not be valid"),
 ]
 
 
@@ -121,6 +123,29 @@ def test_fidelity_catches_what_the_schema_cannot(spec):
     bad_group = copy.deepcopy(spec)
     bad_group["rubric"]["checks"].append({"kind": "forbidden_call", "weight": 1, "tool": "@delete"})
     assert any("unknown tool group '@delete'" in p for p in fidelity(bad_group, ENV))
+
+
+def test_fidelity_checks_start_variants_and_the_checks_that_select_on_them(spec):
+    variant = spec["start"]["variants"][0]
+    assert problems(spec) == [] and variant["id"] == "answered"
+    cases = [
+        (lambda s: s["start"]["variants"].append({**variant, "share": 0.7}), "ids are not unique"),
+        (lambda s: s["start"]["variants"].append({**variant, "id": "late", "share": 0.7}), "shares add up to more than 1"),
+        (lambda s: s["start"]["variants"][0].update(tool="teleport"), "start.variants[0].tool names unknown tool 'teleport'"),
+        (lambda s: s["start"]["variants"][0]["when"].update(families=["cancel_forbidden"]),
+         "when.families names 'cancel_forbidden', which is not a spec family"),
+        (lambda s: s["start"]["variants"][0]["when"].update(gold_calls="@delete"), "unknown tool or group '@delete'"),
+        (lambda s: s["start"]["variants"][0]["when"].update(start=["main"]), "when.start cannot choose"),
+        (lambda s: s["rubric"]["checks"][0].update(when={"start": ["later"]}), "when.start names 'later'"),
+    ]
+    for mutate, expected in cases:
+        bad = copy.deepcopy(spec)
+        mutate(bad)
+        assert any(expected in p for p in problems(bad)), (expected, problems(bad))
+    no_start = copy.deepcopy(spec)
+    del no_start["start"]  # every episode then opens at the first turn: "main"
+    assert [p for p in problems(no_start) if "when.start" in p] == [
+        "rubric.checks[4] (acted): when.start names 'answered', which is not a start of this spec (['main'])"]
 
 
 def test_tool_schemas_are_the_targets_verbatim(spec):
@@ -364,6 +389,8 @@ def test_no_tool_error_and_tools_outside_the_subset():
 
 def test_result_keeps_target_info_and_adds_rubric(spec):
     spec = {k: v for k, v in spec.items() if k not in ("start", "end")}  # the whole target episode
+    spec["rubric"]["checks"] = [{**c, "requires": [r for r in c.get("requires", []) if r != "acted"]}
+                                for c in spec["rubric"]["checks"] if c["id"] != "acted"]  # no answered start
     env = SyntheticEnv(spec, ENV)
     task = env.make_task("cancel_pending", BASE + 7)
     messages, result = demonstrate(env, task)
@@ -494,9 +521,10 @@ def test_template_rubrics_focus_on_their_capability():
     assert kinds["complete_multistep_transactions"]["start"]["intent"] == 1
     info = kinds["communicate_results"]["rubric"]["checks"]
     assert max(info, key=lambda c: c["weight"])["kind"] == "info_communicated"
-    # An agent that writes without asking is rewarded by neither the target nor this environment.
+    # An agent that writes without asking is rewarded by neither the target nor this environment
+    # (where the episode opens after the yes, the expert asked in the prefix: writing is right there).
     env = SyntheticEnv(confirm, ENV)
-    for task in [t for t in env.sample_tasks(8) if t.meta["gold_writes"]][:3]:
+    for task in [t for t in env.sample_tasks(8) if t.meta["gold_writes"] and t.meta["start"] == "main"][:3]:
         result = demonstrate(env, task, confirm=False)[1]
         assert result.reward < 1.0 and result.info["target_reward"] == 0.0
 
@@ -529,7 +557,7 @@ def test_gold_solvable_reports_unsatisfiable_rubrics_and_missing_tools(spec):
     narrow["target"]["tools"] = ["find_user_id_by_email", "find_user_id_by_name_zip", "get_order_details", "cancel_pending_order"]
     narrow["tasks"]["families"] = [{"name": "cancel_pending", "weight": 1}, {"name": "return_delivered", "weight": 1}]
     kept = {"cancel_pending", "return_delivered"}
-    for check in narrow["rubric"]["checks"]:  # checks scoped to families the narrow spec drops
+    for check in narrow["rubric"]["checks"] + narrow["start"]["variants"]:  # scoped to families the narrow spec drops
         if "families" in check.get("when", {}):
             check["when"]["families"] = [f for f in check["when"]["families"] if f in kept]
     narrow["rubric"]["checks"] = [c for c in narrow["rubric"]["checks"] if c.get("when", {}).get("families", True)]
@@ -612,7 +640,7 @@ def test_horizon_ends_after_the_decisive_call():
     assert episode.finished
     result = episode.result()
     assert result.reward == 0.0 and result.info["policy_violations"][0]["rule"] == "auth_before_action"
-    assert result.info["decision_point"] == {"start": {"before": ["authenticate"]}, "prefix_messages": 2, "prefix_calls": 0,
+    assert result.info["decision_point"] == {"start": {"id": "main", "before": ["authenticate"]}, "prefix_messages": 2, "prefix_calls": 0,
                                              "agent_actions": 1, "finished": True}
 
 

@@ -25,7 +25,10 @@ Contract (base.Environment / base.Episode, exactly):
   ``initial_messages()`` then returns the system message, the user's opening and that prefix: the
   rollout runner renders it all as the first prompt (env_mask 0, inside ``prompt_len``), so the
   prefix is context and never trained on. The database, the simulated user and the confirmation
-  state continue from where the expert left them. ``info["decision_point"]`` records the prefix.
+  state continue from where the expert left them. ``info["decision_point"]`` records the start and
+  the prefix. ``start.variants`` give a share of the tasks another start (``make_task`` draws it from
+  the task's own stream and records its id in ``task.meta["start"]``; a check's ``when.start`` selects
+  on it): e.g. right after the user's answer, where a confirmation question is one asked twice.
 * Horizon (``spec.end``): the episode sets ``finished`` (the runner and ``demonstrate`` stop on it)
   right after the agent's first call of ``end.after_call`` (successful only with ``ok_only``; with
   ``then_reply``, after the agent's next plain reply instead, so that what it tells the user after
@@ -51,7 +54,7 @@ from typing import Any
 from trace_assets.envs.base import Environment, EpisodeResult, Message, Task, jsonable, target_hook
 from trace_assets.envs.expert import play_move
 from trace_assets.envs.splits import synthetic_draw
-from trace_assets.synthesize.rubric import CallRecord, Trace, evaluate, text_slots
+from trace_assets.synthesize.rubric import CallRecord, Trace, applies, evaluate, text_slots
 from trace_assets.synthesize.spec import (
     difficulty_of,
     fill_text,
@@ -96,6 +99,16 @@ def play_to_decision_point(target: Environment, task: Task, episode: Any, messag
                      "(this family has no such move)")
 
 
+def start_block(spec: dict[str, Any], task: Task) -> dict[str, Any]:
+    """The start ``task`` plays ({"before", "intent"?, "tool"?}): its variant's
+    (``task.meta["start"]``), or the spec's main start; {} when the spec has none."""
+    start = spec.get("start") or {}
+    chosen = task.meta.get("start", "main")
+    if chosen != "main":
+        start = next(v for v in start.get("variants", []) if v["id"] == chosen)
+    return {k: copy.deepcopy(start[k]) for k in ("before", "intent", "tool") if k in start}
+
+
 def without_hint(task: Task) -> Task:
     """``task`` with its hint off (``meta["hinted"]`` false), otherwise the same task.
 
@@ -133,9 +146,10 @@ class SyntheticEpisode:
         self._mark = (0, 0, 0, 0)  # calls, said, violations, confirmations made by the prefix
         self._end = env.spec.get("end") or {}
         self._in_prefix = False  # the expert's prefix actions are not the agent's
-        if env.spec.get("start"):
+        self.start_block = start_block(env.spec, task)
+        if self.start_block:
             self._in_prefix = True
-            self._play_prefix(env.spec["start"])
+            self._play_prefix(self.start_block)
             self._in_prefix = False
 
     def _opening(self) -> list[Message]:
@@ -153,6 +167,8 @@ class SyntheticEpisode:
         self.prefix = messages[opening:]
         target = self.target_episode
         self._mark = (len(self.calls), len(self.said), len(target.policy_violations), target.confirmations)
+        # A start right after the user's answer: asking again at once is asking twice.
+        self._question_open = bool(self.asked) and self.asked[-1]
 
     def _act(self, name: str | None = None, ok: bool = False, reply: bool = False) -> None:
         """Count one agent action and apply the horizon (``spec.end``)."""
@@ -239,7 +255,8 @@ class SyntheticEpisode:
             "capability": self.env.capability,
             "hinted": self.hinted,
             "spec_hash": self.env.spec_hash,
-            "decision_point": {"start": copy.deepcopy(self.env.spec.get("start")), "prefix_messages": len(self.prefix),
+            "decision_point": {"start": {"id": self.task.meta.get("start", "main"), **copy.deepcopy(self.start_block)}
+                               if self.start_block else None, "prefix_messages": len(self.prefix),
                                "prefix_calls": calls, "agent_actions": self._agent_actions, "finished": self.finished},
         })
         threshold = float(self.env.spec["rubric"].get("success_threshold", 1.0))
@@ -286,11 +303,25 @@ class SyntheticEnv:
         meta = {"target_task_id": base.task_id, "capability": self.capability, "spec_hash": self.spec_hash,
                 **base.meta, "gold_writes": [a["name"] for a in base.gold_actions if a["name"] in write_tools],
                 "hinted": hinted}
+        variants = (self.spec.get("start") or {}).get("variants") or []
+        if variants:  # only then: the tasks of a spec without variants stay as they were
+            meta["start"] = self._start_id(variants, base, seed)
         return dataclasses.replace(base, task_id=f"{self.name}/{family}/{seed}", env=self.name, family=family,
                                    seed=seed, meta=meta)
 
     def start(self, task: Task) -> SyntheticEpisode:
         return SyntheticEpisode(self, task, self.target.start(task))
+
+    def _start_id(self, variants: list[dict[str, Any]], base: Task, seed: int) -> str:
+        """The start ``base`` (the target's task of that family and seed) plays: the first variant
+        whose ``when`` holds and whose cumulative share covers the task's own draw, else "main"."""
+        u, acc = synthetic_draw("start", base.family, seed), 0.0
+        for variant in variants:
+            if applies(variant, base, self.groups):
+                acc += float(variant["share"])
+                if u < acc:
+                    return variant["id"]
+        return "main"
 
     # ---- sampling ------------------------------------------------------------------------
 

@@ -141,7 +141,8 @@ def _matching(check: dict[str, Any], trace: Trace, task: Task, groups: Groups, o
             if c.name in tools and (c.ok or not ok_only) and _args_ok(c, constraints, i, trace.calls, task)]
 
 
-def _applies(check: dict[str, Any], task: Task, groups: Groups) -> bool:
+def applies(check: dict[str, Any], task: Task, groups: Groups) -> bool:
+    """Whether ``check``'s ``when`` holds for ``task`` (a start variant's ``when`` reads the same way)."""
     when = check.get("when") or {}
     gold = {a["name"] for a in task.gold_actions}
     if "gold_calls" in when and not gold & selector_tools(when["gold_calls"], groups):
@@ -149,6 +150,8 @@ def _applies(check: dict[str, Any], task: Task, groups: Groups) -> bool:
     if "gold_avoids" in when and gold & selector_tools(when["gold_avoids"], groups):
         return False
     if "families" in when and task.family not in when["families"]:
+        return False
+    if "start" in when and task.meta.get("start", "main") not in when["start"]:
         return False
     return True
 
@@ -244,7 +247,7 @@ def evaluate(rubric: dict[str, Any], trace: Trace, task: Task, groups: Groups, *
     for i, check in enumerate(rubric["checks"]):
         cid = check.get("id") or f"{i}_{check['kind']}"
         weight = float(check["weight"])
-        if not _applies(check, task, groups):
+        if not applies(check, task, groups):
             results.append(CheckResult(cid, check["kind"], weight, False, 0.0, False, "not applicable to this task"))
             continue
         score, detail = _score(check, trace, task, groups)

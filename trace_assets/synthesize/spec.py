@@ -151,9 +151,16 @@ def fidelity(spec: dict[str, Any], target_env: Environment) -> list[str]:
             problems.append(f"rubric.checks[{i}]: check kind {check['kind']!r} needs schema_version '2' (this spec says '1')")
         if version == "1" and check.get("requires"):
             problems.append(f"rubric.checks[{i}]: 'requires' needs schema_version '2' (this spec says '1')")
-    start_tool = (spec.get("start") or {}).get("tool")
-    if start_tool is not None and start_tool not in known:
-        problems.append(f"start.tool names unknown tool {start_tool!r}")
+    starts = spec.get("start") or {}
+    variants = starts.get("variants") or []
+    for where, block in [("start", starts)] + [(f"start.variants[{i}]", v) for i, v in enumerate(variants)]:
+        if block.get("tool") is not None and block["tool"] not in known:
+            problems.append(f"{where}.tool names unknown tool {block['tool']!r}")
+    start_ids = ["main"] + [v.get("id") for v in variants]
+    if len(set(start_ids)) != len(start_ids):
+        problems.append(f"start.variants ids are not unique: {start_ids[1:]}")
+    if sum(float(v.get("share", 0)) for v in variants) > 1 + 1e-9:
+        problems.append("start.variants shares add up to more than 1")
     after_call = (spec.get("end") or {}).get("after_call")
     for item in ([after_call] if isinstance(after_call, str) else list(after_call or [])):
         if item.startswith("@") and item not in GROUPS:
@@ -214,12 +221,26 @@ def fidelity(spec: dict[str, Any], target_env: Environment) -> list[str]:
         for family in (check.get("when") or {}).get("families", []):
             if family not in families:
                 problems.append(f"{where}: when.families names {family!r}, which is not a spec family")
+        for name in (check.get("when") or {}).get("start", []):
+            if name not in start_ids:  # "main": the spec's start, or the first turn when it has none
+                problems.append(f"{where}: when.start names {name!r}, which is not a start of this spec ({start_ids})")
         for arg in (check.get("args") or {}):
             tool_names = selector_tools(check.get("tool", []), groups)
             params = {p for s in schemas if s["function"]["name"] in tool_names
                       for p in s["function"]["parameters"].get("properties", {})}
             if params and arg not in params:
                 problems.append(f"{where}: argument {arg!r} is not a parameter of {sorted(tool_names)}")
+    for i, variant in enumerate(variants):
+        where, when = f"start.variants[{i}] ({variant.get('id')})", variant.get("when") or {}
+        if "start" in when:
+            problems.append(f"{where}: when.start cannot choose a task's start (it is what the variant decides)")
+        for family in when.get("families", []):
+            if family not in families:
+                problems.append(f"{where}: when.families names {family!r}, which is not a spec family")
+        for key, selector in _selectors({"when": when}):
+            for item in [selector] if isinstance(selector, str) else list(selector):
+                if (item.startswith("@") and item not in GROUPS) or (not item.startswith("@") and item not in known):
+                    problems.append(f"{where}: {key} names unknown tool or group {item!r}")
     difficulty = spec.get("difficulty") or {}
     problems += unsupported_knobs(spec, target_env)
     if difficulty.get("hint_share", 0) > 0 and not spec.get("hint"):

@@ -45,7 +45,7 @@ from trace_assets.envs.base import Environment, target_hook
 from trace_assets.envs.splits import SYNTHETIC_SEED_BASE
 from trace_assets.synthesize.spec import DEFAULT_DIFFICULTY, SCHEMA_VERSION, fixed_knobs, tool_groups
 
-TEMPLATE_VERSION = "v9"
+TEMPLATE_VERSION = "v10"
 """Bump when the plans below change: part of the synthesizer's code version."""
 SEED_RANGE = [SYNTHETIC_SEED_BASE, SYNTHETIC_SEED_BASE + 1_000_000]
 FORMAT_ERRORS = ["malformed tool call", "unknown tool", "missing argument", "unexpected argument", "must be"]
@@ -68,6 +68,8 @@ TARGET_SCENARIO = {"name_zip_share": None, "decline_share": 0.0}
 CONFIRMING_FAMILIES = ("cancel_pending", "cancel_declined", "modify_address", "return_delivered", "exchange_delivered",
                        "update_address_everywhere", "cancel_and_return")
 """Retail families whose first request the expert proposes and has confirmed (a write, or a declined one)."""
+ANSWERED_SHARE = 0.4
+"""confirm_before_writing: the share of the tasks with a write that open right after the user's yes."""
 
 
 @dataclass(frozen=True)
@@ -119,18 +121,29 @@ _PLANS: dict[str, Plan] = {
     # only that, scored 1.0 on every family. Now it fails, and the expert lacking
     # execute_requested_action ("noted", no write) still passes. The turns after the yes are judged,
     # so they are trained again: only their loss can teach the contrast.
+    # Answered episodes (v10): a share of the tasks with a write open right after the user's yes.
+    # At lr 3e-4 an adapter learned to ask first on the target (39/42 of the retail train tasks of
+    # the LACKING families, base 8) and asked again right after the yes on 15/36 (base 0): it saw the
+    # turn after a yes only in the episodes where it had asked, few at the start, so "ask" spread
+    # past the decision faster than acted_on_answer pulled it back. There, a question is asked twice
+    # and the write is due (acted), so acting is trained from the first iteration; refusing, "noted"
+    # and asking again earn nothing.
     "confirm_before_writing": Plan(
         {"cancel_pending": 1, "cancel_declined": 2, "modify_address": 1, "return_delivered": 1, "exchange_delivered": 1,
          "update_address_everywhere": 1, "cancel_and_return": 1, "order_status": 2},
-        {"before": ["propose", "write", "report"], "intent": 0},
+        {"before": ["propose", "write", "report"], "intent": 0,
+         "variants": [{"id": "answered", "before": ["write"], "intent": 0, "share": ANSWERED_SHARE,
+                       "when": {"families": list(CONFIRMING_FAMILIES), "gold_calls": "@write"}}]},
         {"after_call": "@write", "then_reply": True, "max_actions": 5},
         [_check("confirmed_writes", "no_policy_violation", 3, rules=["confirm_before_write"],
-                requires=["asked", "answered", "acted_on_answer"]),
-         _check("asked", "asked_confirmation", 2, first_reply=True, when={"families": list(CONFIRMING_FAMILIES)}),
+                requires=["asked", "answered", "acted_on_answer", "acted"]),
+         _check("asked", "asked_confirmation", 2, first_reply=True,
+                when={"families": list(CONFIRMING_FAMILIES), "start": ["main"]}),
          _check("done_asking", "no_confirmation_question", 2, after_write=True, when={"gold_calls": "@write"},
-                requires=["asked", "acted_on_answer"]),
+                requires=["asked", "acted_on_answer", "acted"]),
          _check("acted_on_answer", "no_confirmation_question", 2, repeated=True,
-                when={"families": list(CONFIRMING_FAMILIES)}, requires=["asked"]),
+                when={"families": list(CONFIRMING_FAMILIES)}, requires=["asked", "acted"]),
+         _check("acted", "required_call", 3, tool="@write", when={"start": ["answered"]}),
          _check("respected_no", "forbidden_call", 2, tool="@write", when={"gold_avoids": "@write"},
                 requires=["asked", "answered"]),
          _check("nothing_to_confirm", "no_confirmation_question", 2, when={"families": ["order_status"]},
@@ -311,8 +324,8 @@ def template_spec(capability: dict[str, Any], target_env: Environment, *,
         if counts[family] and (plan is None or family in base):
             weights[family] = round(weights.get(family, 1.0) * (1 + 2 * counts[family] / total), 4)
     families = [{"name": f, "weight": float(weights[f])} for f in known if f in weights]
-    for check in checks:  # a `when.families` guard may only name listed families
-        if "families" in check.get("when", {}):
+    for check in checks + (plan.start.get("variants", []) if plan is not None else []):
+        if "families" in check.get("when", {}):  # a `when.families` guard may only name listed families
             check["when"]["families"] = [f for f in check["when"]["families"] if f in weights]
     spec = {
         "schema_version": SCHEMA_VERSION,

@@ -10,6 +10,7 @@ import pytest
 from trace_assets.experiment.report import (
     README_SECTION,
     build_report,
+    cost_text,
     forest_png,
     readme_section,
     report_markdown,
@@ -246,3 +247,24 @@ def test_the_forest_plot_keeps_every_label_and_value_inside_the_figure():
         extent = text.get_window_extent(renderer)
         assert box.x0 - 1 <= extent.x0 and extent.x1 <= box.x1 + 1, (text.get_text(), extent, box)
     plt.close(fig)
+
+
+def test_the_report_says_what_it_cost_and_where():
+    """The cost section sums the timed partitions, says which machine, and names an asset whose
+    partitions were not all timed instead of counting them as free."""
+    report = _report()
+    report["cost"] = {"machine": {"cpu": "Test CPU", "cores": 2, "memory_gb": 23.5, "avx512_bf16": True, "commit": "abc"},
+                      "phases": [{"asset": "base_trajectories", "partitions": 1, "timed": 1, "wall_s": 900.0, "min_s": 900.0, "max_s": 900.0},
+                                 {"asset": "experiment_adapter", "partitions": 3, "timed": 3, "wall_s": 1500.0, "min_s": 480.0, "max_s": 520.0},
+                                 {"asset": "experiment_eval", "partitions": 3, "timed": 2, "wall_s": 600.0, "min_s": 300.0, "max_s": 300.0}]}
+    text = cost_text(report["cost"])
+    assert "Test CPU, 2 cores" in text and "native bf16 (AVX-512 BF16): yes" in text
+    cells = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in text.splitlines()
+             if line.startswith("| ") and not line.startswith("| asset")}
+    assert cells["experiment_adapter"] == ["3", "25 min 00 s", "8 min 00 s – 8 min 40 s"]
+    assert cells["base_trajectories"] == ["1", "15 min 00 s", "15 min 00 s"]
+    assert "**50 min 00 s**" in text  # 900 + 1500 + 600 s
+    assert "No step duration on record for some partitions of: experiment_eval." in text
+    assert "## What it cost" in report_markdown(report) and "### What it cost" in readme_section(report)
+    del report["cost"]
+    assert "What it cost" not in report_markdown(report) + readme_section(report)

@@ -65,6 +65,15 @@ def test_the_experiment_runs_every_seed_and_reports_intervals(experiment):
     for row in report["lacking"]:
         assert row["n_tasks"] == sum(f in row["families"] for f in report["families"]) > 0
         assert row["low"] <= row["estimate"] <= row["high"]
+    # what it cost: every asset it computed, each partition's step timed, the machine named
+    phases = {r["asset"]: r for r in report["cost"]["phases"]}
+    assert {"base_trajectories", "experiment_env", "experiment_adapter", "experiment_baselines", "experiment_eval"} <= set(phases)
+    assert "experiment_report" not in phases
+    assert phases["experiment_eval"]["partitions"] == phases["experiment_eval"]["timed"] == 2
+    assert phases["experiment_adapter"]["partitions"] == 2 * len(trained)
+    for row in phases.values():
+        assert row["timed"] == row["partitions"] and 0 < row["min_s"] <= row["max_s"] <= row["wall_s"]
+    assert report["cost"]["machine"]["cores"] >= 1 and "## What it cost" in markdown
     png = (data / "reports" / "experiment_forest.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     event = instance.get_latest_materialization_event(AssetKey("experiment_report"))

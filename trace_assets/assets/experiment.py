@@ -45,7 +45,7 @@ from resources.llm import SynthesizerResource
 from resources.mlflow_registry import MlflowRegistry
 from resources.models import ModelResource
 from resources.store import TraceStore
-from trace_assets import paths
+from trace_assets import paths, reports
 from trace_assets.assets.identify import capability_partitions
 from trace_assets.assets.route import (
     BINARY_REWARD,
@@ -71,7 +71,7 @@ EXPERIMENT_PER_SEED = ("experiment_baselines", "experiment_eval", "experiment_re
 EXPERIMENT_PER_CAPABILITY_SEED = ("experiment_env", "experiment_adapter")
 EXPERIMENT_SELECTION = AssetSelection.groups(GROUP).upstream()
 """What ``make experiment`` materializes (``orchestrate.run_stale``): the experiment and everything it reads."""
-REPORT_VERSION = "experiment-report-v4"  # v4: the contrasts on the families where each capability was LACKING
+REPORT_VERSION = "experiment-report-v5"  # v5: what it cost (step durations, the machine)
 
 
 def registry_name(seed: int, system: str) -> str:
@@ -238,6 +238,10 @@ def build_experiment_assets(settings: Settings) -> list:
         lacking = {name: store.lacking_families(name, train, version=selected_capabilities["dictionary_version"])
                    for name in selected_capabilities["names"]}
         report, notes = assemble_report(evals, settings, lacking=lacking)
+        graph = context.repository_def.asset_graph
+        measured = EXPERIMENT_SELECTION.resolve(graph)
+        report["cost"] = {"machine": reports.machine(), "phases": reports.phase_rows(
+            context.instance, [k for k in graph.toposorted_asset_keys if k in measured and k != context.asset_key])}
         for note in notes:
             context.log.warning(note)
         markdown, png = write_report(report)

@@ -23,6 +23,7 @@ import polars as pl
 
 from trace_assets.experiment.stats import LEVEL, SAMPLES, paired_bootstrap, pass_hat_k, per_seed_means
 from trace_assets.figures import forest_plot, to_markdown
+from trace_assets.reports import wall_text
 
 BASE, TRACE, SOFT, ORACLE, GRPO, ABLATION = ("base", "trace_routed", "trace_soft", "oracle", "grpo_target",
                                             "grpo_target_families")
@@ -232,6 +233,27 @@ def _protocol(report: dict[str, Any]) -> str:
             f"{report['bootstrap_seed']}).")
 
 
+def cost_text(cost: dict[str, Any]) -> str:
+    """What the experiment cost and where (``report["cost"]``: the machine, from
+    ``trace_assets.reports.machine``, and each asset's step durations, from
+    ``trace_assets.reports.phase_rows``), as a sentence and a table."""
+    host, rows = cost["machine"], cost["phases"]
+    timed = [r for r in rows if r["timed"]]
+    head = (f"Measured on {host['cpu']}, {host['cores']} cores, {host['memory_gb']} GB RAM, native bf16 (AVX-512 BF16): "
+            f"{'yes' if host['avx512_bf16'] else 'no'}; commit `{host['commit']}`. Each asset's Dagster step durations over "
+            "its partitions' latest materializations, however many runs they took; steps run one at a time, so the sum is "
+            "the experiment's compute time, without the seconds each step process takes to start.")
+    table = pl.DataFrame([{"asset": r["asset"], "partitions": r["partitions"], "wall time": wall_text(r["wall_s"]),
+                           "per partition": "—" if r["min_s"] is None else
+                           (wall_text(r["min_s"]) if r["partitions"] == 1 else f"{wall_text(r['min_s'])} – {wall_text(r['max_s'])}")}
+                          for r in timed]
+                         + [{"asset": "**sum**", "partitions": sum(r["partitions"] for r in timed),
+                             "wall time": f"**{wall_text(sum(r['wall_s'] for r in timed))}**", "per partition": ""}])
+    untimed = [r["asset"] for r in rows if r["timed"] < r["partitions"]]
+    tail = f"\n\nNo step duration on record for some partitions of: {', '.join(untimed)}." if untimed else ""
+    return f"{head}\n\n{to_markdown(table)}{tail}"
+
+
 def report_markdown(report: dict[str, Any], *, figure: str | None = None) -> str:
     """``reports/experiment.md``: protocol, systems, differences, the forest plot (``figure``: its
     path relative to the markdown), pass^k, success by family, notes."""
@@ -251,6 +273,8 @@ def report_markdown(report: dict[str, Any], *, figure: str | None = None) -> str
     parts += ["## Success by task family (mean over seeds, %)",
               to_markdown(pl.DataFrame([{"system": label(name), **{f: round(100.0 * per[f], 1) for f in families}}
                                         for name, per in report["by_family"].items()]), float_precision=1)]
+    if report.get("cost"):
+        parts += ["## What it cost", cost_text(report["cost"])]
     if report["notes"]:
         parts += ["## Notes", "\n".join(f"- {n}" for n in report["notes"])]
     parts.append(f"<!-- report data: {json.dumps({'version': report['version'], 'seeds': report['seeds']})} -->")
@@ -295,6 +319,8 @@ def readme_section(report: dict[str, Any], *, figure: str = "docs/experiment_for
     lines += ["", f"![forest plot]({figure})"]
     if report.get("gains"):
         lines += ["", _gains_heading(report).replace("## ", "### ", 1), "", to_markdown(gains_table(report))]
+    if report.get("cost"):
+        lines += ["", "### What it cost", "", cost_text(report["cost"])]
     if report["notes"]:  # what was cut or missing travels with the figures
         lines += ["", "What this run left out:", "", *(f"- {n}" for n in report["notes"])]
     return "\n".join(lines)

@@ -238,10 +238,13 @@ def build_experiment_assets(settings: Settings) -> list:
         lacking = {name: store.lacking_families(name, train, version=selected_capabilities["dictionary_version"])
                    for name in selected_capabilities["names"]}
         report, notes = assemble_report(evals, settings, lacking=lacking)
-        graph = context.repository_def.asset_graph
-        measured = EXPERIMENT_SELECTION.resolve(graph)
+        # the code location's whole graph: a run's own job graph holds only what the run selected
+        from trace_assets.definitions import defs
+
+        graph = defs.resolve_asset_graph()
+        measured = EXPERIMENT_SELECTION.resolve(graph) - {context.asset_key}
         report["cost"] = {"machine": reports.machine(), "phases": reports.phase_rows(
-            context.instance, [k for k in graph.toposorted_asset_keys if k in measured and k != context.asset_key])}
+            context.instance, [k for k in graph.toposorted_asset_keys if k in measured])}
         for note in notes:
             context.log.warning(note)
         markdown, png = write_report(report)

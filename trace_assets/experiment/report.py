@@ -239,10 +239,11 @@ def cost_text(cost: dict[str, Any]) -> str:
     ``trace_assets.reports.phase_rows``), as a sentence and a table."""
     host, rows = cost["machine"], cost["phases"]
     timed = [r for r in rows if r["timed"]]
-    head = (f"Measured on {host['cpu']}, {host['cores']} cores, {host['memory_gb']} GB RAM, native bf16 (AVX-512 BF16): "
-            f"{'yes' if host['avx512_bf16'] else 'no'}; commit `{host['commit']}`. Each asset's Dagster step durations over "
-            "its partitions' latest materializations, however many runs they took; steps run one at a time, so the sum is "
-            "the experiment's compute time, without the seconds each step process takes to start.")
+    head = (f"Report written on {host['cpu']}, {host['cores']} cores, {host['memory_gb']} GB RAM, native bf16 (AVX-512 "
+            f"BF16): {'yes' if host['avx512_bf16'] else 'no'}, at commit `{host['commit']}`; the steps ran where and when "
+            "their runs did (a resumed experiment may span machines). Each asset's Dagster step durations over its "
+            "partitions' latest materializations, however many runs they took; steps run one at a time, so the sum is the "
+            "experiment's compute time, without the seconds each step process takes to start.")
     table = pl.DataFrame([{"asset": r["asset"], "partitions": r["partitions"], "wall time": wall_text(r["wall_s"]),
                            "per partition": "—" if r["min_s"] is None else
                            (wall_text(r["min_s"]) if r["partitions"] == 1 else f"{wall_text(r['min_s'])} – {wall_text(r['max_s'])}")}

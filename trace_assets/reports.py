@@ -83,17 +83,15 @@ def phase_rows(instance: Any, keys: Sequence[Any]) -> list[dict[str, Any]]:
     duration, summed (``wall_s``), fastest and slowest. ``timed`` counts the partitions whose step
     duration the event log holds (a materialization reported outside a step has none), however many
     runs (resumed, or re-run one partition at a time) it took."""
+    latest = {key: entries for key in keys if (entries := _latest_entries(instance, key))}
+    # one event-log read per run: a run often materializes several of the assets (a seed's env and adapter)
+    durations = step_durations(instance, [e.run_id for entries in latest.values() for e in entries.values()])
     rows = []
-    for key in keys:
-        entries = _latest_entries(instance, key)
-        if not entries:
-            continue
-        durations = step_durations(instance, [e.run_id for e in entries.values()])
+    for key, entries in latest.items():
         step = key.to_python_identifier()
         walls = [durations[(e.run_id, step)] for e in entries.values() if (e.run_id, step) in durations]
-        rows.append({"asset": key.to_user_string(), "partitions": len(entries), "timed": len(walls),
-                     "wall_s": round(sum(walls), 1), "min_s": round(min(walls), 1) if walls else None,
-                     "max_s": round(max(walls), 1) if walls else None})
+        rows.append({"asset": key.to_user_string(), "partitions": len(entries), "timed": len(walls), "wall_s": sum(walls),
+                     "min_s": min(walls, default=None), "max_s": max(walls, default=None)})
     return rows
 
 

@@ -245,8 +245,8 @@ def cost_text(cost: dict[str, Any]) -> str:
             "partitions' latest materializations, however many runs they took; steps run one at a time, so the sum is the "
             "experiment's compute time, without the seconds each step process takes to start.")
     table = pl.DataFrame([{"asset": r["asset"], "partitions": r["partitions"], "wall time": wall_text(r["wall_s"]),
-                           "per partition": "—" if r["min_s"] is None else
-                           (wall_text(r["min_s"]) if r["partitions"] == 1 else f"{wall_text(r['min_s'])} – {wall_text(r['max_s'])}")}
+                           "per partition": wall_text(r["min_s"]) if r["partitions"] == 1
+                           else f"{wall_text(r['min_s'])} – {wall_text(r['max_s'])}"}
                           for r in timed]
                          + [{"asset": "**sum**", "partitions": sum(r["partitions"] for r in timed),
                              "wall time": f"**{wall_text(sum(r['wall_s'] for r in timed))}**", "per partition": ""}])

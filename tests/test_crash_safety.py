@@ -140,3 +140,41 @@ def _mlflow_client(tmp_path: Path):
     from resources.mlflow_registry import MlflowRegistry
 
     return MlflowRegistry().client()
+
+
+def test_an_interrupted_run_stops_the_wave_runner(tmp_path):
+    """Ctrl-C (or SIGTERM) during a run: Dagster captures the signal, ends the run as failed and
+    returns normally. The wave runner must stop there, not start the next run as if a step had
+    merely failed (it used to: a SIGTERM'd ``make experiment`` went on with the next seed)."""
+    import pytest
+    from dagster import AssetSelection, DagsterInstance, Definitions, StaticPartitionsDefinition, asset
+
+    from trace_assets.orchestrate import run_stale
+
+    played = []
+
+    @asset(partitions_def=StaticPartitionsDefinition(["0", "1"]))
+    def seeded(context):
+        played.append(context.partition_key)
+        if context.partition_key == "0":
+            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends; Dagster maps SIGTERM to the same
+            time.sleep(1.0)  # the interrupt is acted on at the executor's next checkpoint
+        return context.partition_key
+
+    instance = DagsterInstance.local_temp(str(tmp_path), overrides={"telemetry": {"enabled": False}})
+    defs = Definitions(assets=[seeded])
+    with pytest.raises(KeyboardInterrupt):
+        run_stale(defs, instance, AssetSelection.assets(seeded))
+    assert played == ["0"]
+    # an ordinary failure is not an interrupt: the runner reports it and goes on
+    played.clear()
+
+    @asset(name="seeded", partitions_def=StaticPartitionsDefinition(["0", "1"]))
+    def failing(context):
+        played.append(context.partition_key)
+        if context.partition_key == "0":
+            raise RuntimeError("a step failed")
+        return context.partition_key
+
+    run_ids, failures = run_stale(Definitions(assets=[failing]), instance, AssetSelection.assets(failing))
+    assert sorted(played) == ["0", "1"] and len(failures) == 1 and "[0]" in failures[0]

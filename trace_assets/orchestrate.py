@@ -34,7 +34,9 @@ def _dagster_private() -> SimpleNamespace:
     plain one that needs no request scope. On a Dagster upgrade, check this function first.
     """
     from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
+    from dagster._core.events import RunFailureReason
     from dagster._core.loader import LoadingContextForTest
+    from dagster._core.storage.tags import RUN_FAILURE_REASON_TAG
 
     def stale_status_resolver(instance, graph):
         """``status_of(asset_key, partition_key=None) -> StaleStatus`` over ``graph`` in ``instance``."""
@@ -48,8 +50,17 @@ def _dagster_private() -> SimpleNamespace:
         repository = ReconstructableRepository.for_module("trace_assets.definitions", "defs", working_directory=os.getcwd())
         return repository.get_reconstructable_job(job_name)
 
+    def interrupted(instance, run_id: str) -> bool:
+        """Whether run ``run_id`` ended because this process was interrupted (SIGINT, SIGTERM).
+
+        ``execute_job`` and ``execute_in_process`` capture the signal (``capture_interrupts``), stop
+        the run's steps, record the run failed with reason ``UNEXPECTED_TERMINATION`` and return
+        normally, so the caller never sees a ``KeyboardInterrupt``; the run's tag is what is left."""
+        run = instance.get_run_by_id(run_id)
+        return run is not None and run.tags.get(RUN_FAILURE_REASON_TAG) == RunFailureReason.UNEXPECTED_TERMINATION.value
+
     return SimpleNamespace(StaleStatus=StaleStatus, stale_status_resolver=stale_status_resolver,
-                           reconstructable_job=reconstructable_job)
+                           reconstructable_job=reconstructable_job, interrupted=interrupted)
 
 
 def _print_log(kind: str, message: str) -> None:
@@ -298,7 +309,9 @@ def run_stale(defs, instance, job_name: str, *, max_waves: int = 50, isolate_ste
     each run before it starts and of each failure (``cli`` presents them).
 
     A run that fails (or whose blocking check fails) is reported and not retried in this
-    invocation; its partition's siblings and unrelated assets go on.
+    invocation; its partition's siblings and unrelated assets go on. A run that Ctrl-C or SIGTERM
+    ended stops the whole invocation (``KeyboardInterrupt``): Dagster reports it as an ordinary
+    failed run, and going on with the next wave would ignore the user.
 
     ``isolate_steps``: run every step in a process of its own (``make demo``, ``make experiment``).
     A long-lived process keeps what each step's torch, tokenizers and vLLM engine left in its heap,
@@ -329,6 +342,10 @@ def run_stale(defs, instance, job_name: str, *, max_waves: int = 50, isolate_ste
                 peaks = step_peaks_mb(instance, run_id, sampler)
                 if peaks:  # the closing table reads it; the UI shows it with the run's tags
                     instance.add_run_tags(run_id, {PEAK_RSS_TAG: json.dumps(peaks, sort_keys=True)})
+                if not success and _dagster_private().interrupted(instance, run_id):
+                    log("failed", f"run {run_id} was interrupted: stopping here; run the same command again to "
+                        "resume where it stopped")
+                    raise KeyboardInterrupt
                 if not success:
                     failed.update((k, partition_key) for k in keys)
                     failures.append(f"run {run_id}: {[k.to_user_string() for k in keys]}{where}")

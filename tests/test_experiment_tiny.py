@@ -167,3 +167,17 @@ def test_trace_readme_takes_the_experiment_section_from_the_experiment_folder(ex
     assert "not run yet" not in text and "TRACE routed − base" in text
     assert (tmp_path / "docs" / "experiment_forest.png").read_bytes() == (data / "reports" / "experiment_forest.png").read_bytes()
     assert main(["readme", "--readme", str(readme), "--experiment", str(data), "--check"]) == 0
+
+
+def test_the_closing_summary_shows_the_experiment_report_and_writes_no_demo_report(experiment):
+    """`make experiment`'s closing table is titled for the experiment and prints its report; the
+    demo's report (which `trace readme` turns into the README's demo section) is not written."""
+    from trace_assets.cli import EXPERIMENT_SECTIONS, console, print_summary
+
+    defs, instance, run_ids, _, data = experiment
+    with console.capture() as captured:
+        print_summary(defs, instance, run_ids, 1.0, name="experiment", sections=EXPERIMENT_SECTIONS)
+    out = captured.get()
+    assert "TRACE experiment: asset materializations" in out and "TRACE routed − base" in out, out
+    assert "TRACE demo" not in out
+    assert not (data / "reports" / "demo.md").exists()

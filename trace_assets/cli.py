@@ -66,17 +66,28 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def print_summary(defs, instance, run_ids: list[str], wall_s: float, host: dict | None = None) -> None:
+DEMO_SECTIONS = (
+    ("base_trajectories", "success_by_family", "base agent: success by family (train and test)"),
+    ("selected_capabilities", "selection", "Step 1: capabilities, Δ, Cov and the selection (C*)"),
+    ("router_eval", "report", "TRACE results"),
+)
+EXPERIMENT_SECTIONS = (("experiment_report", "report", "TRACE experiment"),)
+
+
+def print_summary(defs, instance, run_ids: list[str], wall_s: float, host: dict | None = None, *,
+                  name: str = "demo", sections: tuple = DEMO_SECTIONS) -> None:
     """The closing table (each asset's latest materialization per partition, its step's wall time
-    and peak RSS, its key figures), then ``reports/demo.md``, from which ``trace readme`` generates
-    the README's demo section."""
+    and peak RSS, its key figures) and ``sections`` (``(asset, metadata entry, title)``, printed
+    from each asset's latest materialization). For ``name="demo"`` it then writes
+    ``reports/demo.md``, from which ``trace readme`` generates the README's demo section; the
+    experiment's report is an asset of its own (``experiment_report``)."""
     import resource
 
     from dagster import AssetKey
 
     from trace_assets import reports
 
-    table = Table(title="TRACE demo: asset materializations")
+    table = Table(title=f"TRACE {name}: asset materializations")
     table.add_column("asset")
     table.add_column("wall time (s)", justify="right")
     table.add_column("peak RSS (GB)", justify="right")
@@ -85,21 +96,17 @@ def print_summary(defs, instance, run_ids: list[str], wall_s: float, host: dict 
         table.add_row(row.asset, "fresh" if row.wall_s is None else f"{row.wall_s:.1f}",
                       "" if row.peak_rss_gb is None else f"{row.peak_rss_gb:.1f}", row.figures)
     console.print(table)
-    for key_name, entry, title in (
-        ("base_trajectories", "success_by_family", "base agent: success by family (train and test)"),
-        ("selected_capabilities", "selection", "Step 1: capabilities, Δ, Cov and the selection (C*)"),
-        ("router_eval", "report", "TRACE results"),
-    ):
+    for key_name, entry, title in sections:
         event = instance.get_latest_materialization_event(AssetKey(key_name))
         if event and entry in event.asset_materialization.metadata:
             console.print(f"\n[bold]{title}[/]")
             console.print(event.asset_materialization.metadata[entry].value, highlight=False)
-    console.print(f"\n[bold]demo wall time: {wall_s / 60:.1f} min[/]; runs: {', '.join(run_ids) or 'none (all fresh)'}")
+    console.print(f"\n[bold]{name} wall time: {wall_s / 60:.1f} min[/]; runs: {', '.join(run_ids) or 'none (all fresh)'}")
     # the table's per-step peaks also count child processes (vLLM engines); these are whole-process peaks
     gb = 2**30 if sys.platform == "darwin" else 2**20  # ru_maxrss: bytes on macOS, KB on Linux
     own, children = (resource.getrusage(who).ru_maxrss / gb for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     console.print(f"peak RSS: this process {own:.1f} GB, its largest child process {children:.1f} GB (ru_maxrss)")
-    if run_ids:  # a run that recomputed nothing keeps the report of the run that measured it
+    if name == "demo" and run_ids:  # a run that recomputed nothing keeps the report of the run that measured it
         out = reports.write_report(reports.DEMO_REPORT, reports.demo_markdown(defs, instance, run_ids, wall_s, host=host))
         console.print(f"report: {out} (`trace readme` puts it into README.md)")
     console.print(f"Open the same instance in the UI with [bold]make ui[/] (DAGSTER_HOME={os.environ.get('DAGSTER_HOME', 'unset')}).")
@@ -210,7 +217,8 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     ensure_pools(instance)
     with demo_lock(instance, log=_console_log):
         run_ids, failures = run_stale(defs, instance, EXPERIMENT_SELECTION, isolate_steps=True, log=_console_log)
-    print_summary(defs, instance, run_ids, time.perf_counter() - start)
+    print_summary(defs, instance, run_ids, time.perf_counter() - start, name="experiment", sections=EXPERIMENT_SECTIONS)
+    console.print(f"report: {paths.sub('reports') / 'experiment.md'} (`make readme` puts it into README.md)")
     for failure in failures:
         console.print(f"[red]failed: {failure}[/]")
     return 1 if failures else 0
@@ -349,7 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the command, do not start the server")
     p.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # the wave runner stops on an interrupted run (orchestrate.run_stale)
+        console.print("[yellow]interrupted; what finished is kept, and the same command resumes from there[/]")
+        return 130
 
 
 if __name__ == "__main__":

@@ -174,6 +174,37 @@ def test_the_gains_rows_say_per_family_where_trace_won_lost_and_routed():
     assert build_report({"base": [[1]]}, seeds=[0], task_ids=["a"], families=["f"], samples=10)["gains"] == []
 
 
+def test_the_checks_rows_say_what_an_adapter_changed_in_behaviour():
+    """Per-check pass rates per system over tasks x seeds, and the adapter's paired differences on each
+    check against the base and its null; a check some episodes lack is rated where present and not
+    contrasted."""
+    a, n, b = "confirm_before_writing", "null:confirm_before_writing", "base"
+
+    def cells(confirmed, state):
+        return [[{"confirmed_writes": c, "state_match": s} for c, s in zip(confirmed, state)]]
+
+    outcomes = {b: [[0, 1, 0, 0]] * 2, a: [[0, 1, 0, 0]] * 2, n: [[0, 1, 0, 0]] * 2}
+    checks = {b: cells([0, 1, 0, 1], [0, 1, 0, 0]) * 2,
+              a: cells([1, 1, 1, 1], [0, 1, 0, 0]) + cells([1, 1, 0, 1], [0, 1, 0, 0]),
+              n: cells([0, 1, 0, 1], [0, 1, 0, 0]) + cells([0, 1, 0, 1], [0, 1, 0, 0])}
+    checks[n][1][3] = {"state_match": False}  # one episode of the null without the check
+    report = build_report(outcomes, seeds=[0, 1], task_ids=["t0", "t1", "t2", "t3"], families=["f"] * 4, samples=200,
+                          checks=checks)
+    rates = {(r["check"], r["system"]): r for r in report["checks"]["rates"]}
+    assert rates[("confirmed_writes", a)]["pass_rate"] == 7 / 8 and rates[("confirmed_writes", b)]["pass_rate"] == 0.5
+    assert rates[("confirmed_writes", n)]["cells"] == 7 and rates[("state_match", n)]["cells"] == 8
+    contrasts = {(c["check"], c["b"]): c for c in report["checks"]["contrasts"]}
+    assert set(contrasts) == {("confirmed_writes", b), ("state_match", b), ("state_match", n)}
+    assert contrasts[("confirmed_writes", b)]["estimate"] == pytest.approx(3 / 8)
+    assert contrasts[("state_match", b)]["estimate"] == 0.0
+    assert all(c["low"] <= c["estimate"] <= c["high"] for c in contrasts.values())
+    md, section = report_markdown(report), readme_section(report)
+    assert "The target's checks, per system" in md and "| confirmed_writes" in md
+    assert "87.5" in md and "87.5" in section  # the adapter's confirmed_writes pass rate, in both
+    assert build_report(outcomes, seeds=[0, 1], task_ids=["t0", "t1", "t2", "t3"], families=["f"] * 4,
+                        samples=10)["checks"] == {"rates": [], "contrasts": []}
+
+
 def test_the_readme_section_is_generated_and_spliced_between_its_markers():
     from trace_assets.reports import ReadmeSectionError, splice
 

@@ -54,6 +54,11 @@ def test_the_experiment_runs_every_seed_and_reports_intervals(experiment):
                for r in passes.values())
     markdown = (data / "reports" / "experiment.md").read_text()
     assert "95 % interval" in markdown and "TRACE routed − base" in markdown
+    # the target's per-check breakdown, for every system, the routed and oracle ones included
+    rated = {r["system"] for r in report["checks"]["rates"]}
+    assert set(systems) - {"trace_soft"} <= rated, set(systems) - rated  # the soft composition is not broken down
+    assert {r["check"] for r in report["checks"]["rates"]} >= {"state_match"}
+    assert report["checks"]["contrasts"] and "The target's checks, per system" in markdown
     # the adapter's contrasts again, on the test tasks of the families its capability lacked (train side)
     trained = [n for n in systems if f"null:{n}" in systems]
     lacking = {r["capability"] for r in report["lacking"]}

@@ -71,7 +71,7 @@ EXPERIMENT_PER_SEED = ("experiment_baselines", "experiment_eval", "experiment_re
 EXPERIMENT_PER_CAPABILITY_SEED = ("experiment_env", "experiment_adapter")
 EXPERIMENT_SELECTION = AssetSelection.groups(GROUP).upstream()
 """What ``make experiment`` materializes (``orchestrate.run_stale``): the experiment and everything it reads."""
-REPORT_VERSION = "experiment-report-v5"  # v5: what it cost (step durations, the machine)
+REPORT_VERSION = "experiment-report-v6"  # v5: what it cost (step durations, the machine); v6: the target's checks
 
 
 def registry_name(seed: int, system: str) -> str:
@@ -180,7 +180,7 @@ def build_experiment_assets(settings: Settings) -> list:
 
     @asset(group_name=GROUP, partitions_def=seeds, kinds={"python"},
            code_version=stable_hash([settings.route.__dict__, settings.rollout.__dict__, generation, exp.pass_k,
-                                     exp.pass_k_trials, exp.pass_k_temperature, "experiment-eval-v1"]),
+                                     exp.pass_k_trials, exp.pass_k_temperature, "experiment-eval-v2"]),
            ins={"experiment_adapter": AssetIn(partition_mapping=to_seed, metadata=EVERY_TRAINED),
                 "experiment_env": AssetIn(partition_mapping=to_seed, metadata=EVERY_TRAINED)})
     def experiment_eval(context: AssetExecutionContext, models: ModelResource, store: TraceStore, task_splits: dict,
@@ -206,7 +206,7 @@ def build_experiment_assets(settings: Settings) -> list:
                   **{k: trace_tokens for k in ("trace_routed", "trace_soft", "oracle")},
                   **{k: experiment_baselines[k].get("tokens") for k in (GRPO, ABLATION) if k in experiment_baselines}}
         value = {"seed": seed, "task_ids": report["task_ids"], "families": report["families"],
-                 "per_task": report["per_task"], "rollouts": {k: v for k, v in report["rollouts_spent"].items() if k != "evaluation"},
+                 "per_task": report["per_task"], "checks": report["checks"], "rollouts": {k: v for k, v in report["rollouts_spent"].items() if k != "evaluation"},
                  "tokens": tokens, "not_trained": [n for n in selected_capabilities["names"] if n not in trained],
                  "deferred": selected_capabilities.get("deferred", []),
                  "not_routed": router.get("not_routed", {}), "agent_id": report["agent_id"],
@@ -311,8 +311,11 @@ def assemble_report(evals: dict[str, dict[str, Any]], settings: Settings,
     for name in sorted(n for n, f in lacking.items() if not f):
         notes.append(f"{name}: no train-side trajectory labelled it LACKING, so it has no LACKING-family contrast")
     routed = {s: evals[s]["routed"] for s in seeds if "routed" in evals[s]}  # evaluations before v4 lack it
+    # per-check outcomes: evaluations before experiment-eval-v2 lack them, and then no seed's are shown
+    checks = ({n: [evals[s]["checks"][n] for s in seeds] for n in order if all(n in evals[s]["checks"] for s in seeds)}
+              if all("checks" in evals[s] for s in seeds) else None)
     report = build_report(
-        outcomes, seeds=seeds, lacking=lacking, routed=routed, task_ids=first["task_ids"], families=first["families"],
+        outcomes, seeds=seeds, lacking=lacking, routed=routed, checks=checks, task_ids=first["task_ids"], families=first["families"],
         rollouts={n: [evals[s]["rollouts"].get(n) for s in seeds] for n in order},
         tokens={n: [evals[s]["tokens"].get(n) for s in seeds] for n in order}, trials=trials, pass_k=exp.pass_k or 4,
         samples=exp.bootstrap_samples, bootstrap_seed=exp.bootstrap_seed, notes=notes)

@@ -36,7 +36,7 @@ LABELS = {BASE: "base", TRACE: "TRACE routed", SOFT: "TRACE soft routing (compos
           ABLATION: "GRPO on target families, binary reward"}
 README_SECTION = "experiment"
 """The README's generated section this report fills (``trace_assets.reports.splice``)."""
-REPORT_VERSION = 2  # v2: the LACKING-family contrasts; TRACE's gains and routing by family
+REPORT_VERSION = 3  # v2: the LACKING-family contrasts; TRACE's gains and routing by family; v3: the target's checks
 
 
 def label(system: str) -> str:
@@ -47,6 +47,10 @@ def label(system: str) -> str:
     return f"adapter {system} alone"
 
 
+def contrast_label(a: str, b: str) -> str:
+    return f"adapter {a} − its null control" if b == f"null:{a}" else f"{label(a)} − {label(b)}"
+
+
 def build_report(outcomes: Mapping[str, Sequence[Sequence[float | bool]]], *, seeds: Sequence[str | int],
                  task_ids: Sequence[str], families: Sequence[str],
                  rollouts: Mapping[str, Sequence[int | None]] | None = None,
@@ -54,7 +58,8 @@ def build_report(outcomes: Mapping[str, Sequence[Sequence[float | bool]]], *, se
                  trials: Mapping[str, Sequence[Sequence[bool | float]]] | None = None, pass_k: int = 4,
                  samples: int = SAMPLES, level: float = LEVEL, bootstrap_seed: int = 0,
                  notes: Sequence[str] = (), lacking: Mapping[str, Sequence[str]] | None = None,
-                 routed: Mapping[str, Sequence[str | None]] | None = None) -> dict[str, Any]:
+                 routed: Mapping[str, Sequence[str | None]] | None = None,
+                 checks: Mapping[str, Sequence[Sequence[Mapping[str, bool]]]] | None = None) -> dict[str, Any]:
     """The report dict (module docstring). ``outcomes[system]``: seeds x tasks successes, rows in the
     order of ``seeds``, columns in the order of ``task_ids`` (``families`` gives each task's family).
     ``rollouts`` / ``tokens``: per system, what its training spent with each seed (None: not
@@ -66,7 +71,10 @@ def build_report(outcomes: Mapping[str, Sequence[Sequence[float | bool]]], *, se
     the adapter is meant to help. ``routed``: per seed (as in ``seeds``), the router's choice per
     task (None: the base), for the seeds that recorded it; the ``gains`` rows say, per family, where
     TRACE routed won and lost against the base, what it left to oracle routing, and how often it
-    routed to an adapter."""
+    routed to an adapter. ``checks``: per system (any subset), seeds x tasks of the target's
+    per-check outcomes (``{check id: passed}``); the ``checks`` rows give each check's pass rate per
+    system and each adapter's paired differences on it against the base and its null control
+    (:func:`check_rows`): what an adapter changed in behaviour where success does not say."""
     order = list(outcomes)
     n_seeds = len(seeds)
     if any(len(rows) != n_seeds for rows in outcomes.values()):
@@ -86,9 +94,6 @@ def build_report(outcomes: Mapping[str, Sequence[Sequence[float | bool]]], *, se
 
     rows = [{"system": name, "label": label(name), **systems[name].to_dict(), "per_seed": per_seed_means(outcomes[name]),
              "rollouts": spent(rollouts, name), "tokens": spent(tokens, name)} for name in order]
-    def contrast_label(a: str, b: str) -> str:
-        return f"adapter {a} − its null control" if b == f"null:{a}" else f"{label(a)} − {label(b)}"
-
     contrast_rows = [{"a": a, "b": b, "label": contrast_label(a, b), **differences[(a, b)].to_dict(),
                       "excludes_zero": differences[(a, b)].excludes_zero()} for a, b in contrasts]
     by_family: dict[str, dict[str, float]] = {}
@@ -126,7 +131,61 @@ def build_report(outcomes: Mapping[str, Sequence[Sequence[float | bool]]], *, se
         "task_ids": list(task_ids), "families": list(families), "level": level, "bootstrap_samples": samples,
         "bootstrap_seed": bootstrap_seed, "systems": rows, "contrasts": contrast_rows, "by_family": by_family,
         "gains": gains, "lacking": lacking_rows, "pass_k": pass_rows, "notes": list(notes),
+        "checks": check_rows(checks or {}, order=order, samples=samples, level=level, bootstrap_seed=bootstrap_seed),
     }
+
+
+def check_rows(checks: Mapping[str, Sequence[Sequence[Mapping[str, bool]]]], *, order: Sequence[str],
+               samples: int = SAMPLES, level: float = LEVEL, bootstrap_seed: int = 0) -> dict[str, list[dict[str, Any]]]:
+    """``{"rates": [...], "contrasts": [...]}`` (see :func:`build_report`). A rate is over the
+    tasks x seeds cells where the system's episode reported the check; a contrast is drawn only where
+    both systems reported it in every cell (paired bootstrap, as the success contrasts)."""
+    systems = [n for n in order if n in checks]
+    ids = sorted({c for n in systems for row in checks[n] for cell in row for c in cell})
+    rates = []
+    for check in ids:
+        for name in systems:
+            cells = [cell[check] for row in checks[name] for cell in row if check in cell]
+            if cells:
+                rates.append({"check": check, "system": name, "label": label(name), "cells": len(cells),
+                              "pass_rate": sum(map(bool, cells)) / len(cells)})
+    pairs = [(n, b) for n in systems if f"null:{n}" in checks for b in (BASE, f"null:{n}") if b in checks]
+    contrast_rows = []
+    for check in ids:
+        complete = [(a, b) for a, b in pairs
+                    if all(check in cell for n in (a, b) for row in checks[n] for cell in row)]
+        if not complete:
+            continue
+        matrices = {n: [[bool(cell[check]) for cell in row] for row in checks[n]] for pair in complete for n in pair}
+        on_check, differences = paired_bootstrap(matrices, contrasts=complete, samples=samples, level=level,
+                                                 seed=bootstrap_seed)
+        for a, b in complete:
+            contrast_rows.append({"check": check, "a": a, "b": b, "label": contrast_label(a, b),
+                                  "rate_a": on_check[a].estimate, "rate_b": on_check[b].estimate,
+                                  **differences[(a, b)].to_dict(), "excludes_zero": differences[(a, b)].excludes_zero()})
+    return {"rates": rates, "contrasts": contrast_rows}
+
+
+def checks_tables(report: dict[str, Any]) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The ``checks`` rows as two tables: pass rate (%) per system and check, and the contrasts."""
+    pct = lambda x: round(100.0 * x, 1)  # noqa: E731
+    rows = report.get("checks", {}).get("rates", [])
+    ids = sorted({r["check"] for r in rows})
+    by_system: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        by_system.setdefault(r["label"], {"system": r["label"], **{c: None for c in ids}})[r["check"]] = pct(r["pass_rate"])
+    contrasts = pl.DataFrame([{
+        "check": c["check"], "difference": c["label"], "pass a %": pct(c["rate_a"]), "pass b %": pct(c["rate_b"]),
+        "points": pct(c["estimate"]), f"{round(100 * report['level'])} % interval": f"[{pct(c['low'])}, {pct(c['high'])}]",
+        "excludes 0": "yes" if c["excludes_zero"] else "no",
+    } for c in report.get("checks", {}).get("contrasts", [])])
+    return pl.DataFrame(list(by_system.values())), contrasts
+
+
+CHECKS_HEADING = ("## The target's checks, per system\n\n"
+                  "Pass rate (%) of each check the target environment scores an episode by (`info[\"checks\"]`), over "
+                  "tasks × seeds, then each adapter's paired differences on them: what it changed in behaviour, even "
+                  "where success did not move.")
 
 
 def gains_by_family(outcomes: Mapping[str, Sequence[Sequence[float | bool]]], *, seeds: Sequence[str],
@@ -266,6 +325,11 @@ def report_markdown(report: dict[str, Any], *, figure: str | None = None) -> str
         parts += [_lacking_heading(report), to_markdown(lacking_table(report), float_precision=1)]
     if report.get("gains"):
         parts += [_gains_heading(report), to_markdown(gains_table(report))]
+    if report.get("checks", {}).get("rates"):
+        rates, contrasts = checks_tables(report)
+        parts += [CHECKS_HEADING, to_markdown(rates, float_precision=1)]
+        if contrasts.height:
+            parts.append(to_markdown(contrasts, float_precision=1))
     if report["pass_k"]:
         parts += ["## pass^k (tau2-bench: mean over tasks of C(c, k) / C(n, k))",
                   to_markdown(pl.DataFrame([{"system": r["label"], "k": r["k"], "trials per task": r["trials_per_task"],
@@ -320,6 +384,11 @@ def readme_section(report: dict[str, Any], *, figure: str = "docs/experiment_for
     lines += ["", f"![forest plot]({figure})"]
     if report.get("gains"):
         lines += ["", _gains_heading(report).replace("## ", "### ", 1), "", to_markdown(gains_table(report))]
+    if report.get("checks", {}).get("rates"):
+        rates, contrasts = checks_tables(report)
+        lines += ["", CHECKS_HEADING.replace("## ", "### ", 1), "", to_markdown(rates, float_precision=1)]
+        if contrasts.height:
+            lines += ["", to_markdown(contrasts, float_precision=1)]
     if report.get("cost"):
         lines += ["", "### What it cost", "", cost_text(report["cost"])]
     if report["notes"]:  # what was cut or missing travels with the figures

@@ -158,6 +158,12 @@ def faithful_models(models, path: str, bank, folders: dict[str, str], tokenizer:
     raise AssertionError("unreachable")
 
 
+def check_outcomes(info: dict[str, Any]) -> dict[str, bool]:
+    """``{check id: passed}`` from an episode's per-check breakdown (``info["checks"]``, as the
+    retail target writes it); empty for an environment that gives none."""
+    return {str(c["id"]): bool(c["passed"]) for c in info.get("checks") or [] if isinstance(c, dict) and "id" in c}
+
+
 def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: dict, router: dict,
                      grpo_baseline: dict | None, adapters: dict[str, dict], log: Callable[[str], None],
                      more_baselines: dict[str, dict] | None = None) -> dict[str, Any]:
@@ -165,7 +171,8 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
     e.g. to look at routing before the equal-rollout baseline has been trained. ``more_baselines``:
     further trained adapters evaluated like the baseline, ``{system name: {"adapter_dir", "rollouts"}}``
     (the experiment's ablation). ``per_task`` in the result holds every system's reward per test
-    task, in the order of ``task_ids``."""
+    task, in the order of ``task_ids``; ``checks`` the same systems' per-check outcomes per task
+    (:func:`check_outcomes`), but TRACE's soft composition."""
     from trace_assets.agent.rollout import logged_progress, run_rollouts
     from trace_assets.route.compose import AdapterBank, plan_groups
     from trace_assets.route.report import (
@@ -215,6 +222,7 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
         stored.update({r["task_id"]: r for r in records})
     per_system: dict[str | None, list[float]] = {None: [float(stored[i]["reward"]) for i in ids]}
     success: dict[str | None, list[bool]] = {None: [bool(stored[i]["success"]) for i in ids]}
+    checks: dict[str | None, list[dict[str, bool]]] = {None: [check_outcomes(stored[i]["info"]) for i in ids]}
     engine = models.vllm_engine(base_agent["path"], lora=True)
 
     def check(name: str, active: Any, backend: Any) -> None:
@@ -241,6 +249,7 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
             chunk = rollouts[j * len(tasks) : (j + 1) * len(tasks)]
             per_system[name] = [r.result.reward for r in chunk]
             success[name] = [r.result.success for r in chunk]
+            checks[name] = [check_outcomes(r.result.info) for r in chunk]
             eval_rollouts[name] = len(chunk)
     else:  # one system at a time; with vLLM its merged weights are pushed into the base engine
         # Each system's episodes are stored as they end, keyed by who played them (base, adapter
@@ -265,6 +274,7 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
                     log(f"{name}: its {len(tasks)} test episodes are stored (agent {played_by}): reused")
             per_system[name] = [float(kept[i]["reward"]) for i in ids]
             success[name] = [bool(kept[i]["success"]) for i in ids]
+            checks[name] = [check_outcomes(kept[i]["info"]) for i in ids]
             eval_rollouts[name] = len(tasks)
     nulls = {k[len(NULL_PREFIX):]: v for k, v in per_system.items() if k and k.startswith(NULL_PREFIX)}
     singles = {k: v for k, v in per_system.items()
@@ -302,6 +312,11 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
         if name in nulls:
             systems[f"{NULL_PREFIX}{name}"] = nulls[name]
     systems["oracle"] = oracle_rewards(singles)
+    # the checks of the system that played each task, for the systems that pick one per task
+    if "trace_routed" in systems:
+        routed_choices = [d.choice for d in main_decisions] if main_decisions else [None] * len(ids)
+        checks["trace_routed"] = [checks[c][j] for j, c in enumerate(routed_choices)]
+    checks["oracle"] = [checks[c][j] for j, c in enumerate(target)]
     if grpo_baseline is not None:
         systems[BASELINE] = per_system[BASELINE]
     for name in more_baselines:
@@ -398,6 +413,7 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
             "markdown": markdown, "pngs": pngs, "task_ids": ids, "families": families,
             "routed": [d.choice for d in main_decisions],
             "per_task": {("base" if k is None else k): [float(x) for x in v] for k, v in systems.items()},
+            "checks": {("base" if k is None else k): v for k, v in checks.items() if k in systems},
             "decisions": {k: [d.label for d in v] for k, v in decisions.items()}, "oracle_target": [t or "base" for t in target]}
 
 

@@ -342,11 +342,11 @@ def run_stale(defs, instance, job_name: str, *, max_waves: int = 50, isolate_ste
                 peaks = step_peaks_mb(instance, run_id, sampler)
                 if peaks:  # the closing table reads it; the UI shows it with the run's tags
                     instance.add_run_tags(run_id, {PEAK_RSS_TAG: json.dumps(peaks, sort_keys=True)})
-                if not success and _dagster_private().interrupted(instance, run_id):
-                    log("failed", f"run {run_id} was interrupted: stopping here; run the same command again to "
-                        "resume where it stopped")
-                    raise KeyboardInterrupt
                 if not success:
+                    if _dagster_private().interrupted(instance, run_id):
+                        log("failed", f"run {run_id} was interrupted: stopping here; run the same command again "
+                            "to resume where it stopped")
+                        raise KeyboardInterrupt
                     failed.update((k, partition_key) for k in keys)
                     failures.append(f"run {run_id}: {[k.to_user_string() for k in keys]}{where}")
                     log("failed", f"run {run_id} failed for {[k.to_user_string() for k in keys]}{where}; "

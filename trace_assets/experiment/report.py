@@ -168,18 +168,25 @@ def check_rows(checks: Mapping[str, Sequence[Sequence[Mapping[str, bool]]]], *, 
 
 def checks_tables(report: dict[str, Any]) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The ``checks`` rows as two tables: pass rate (%) per system and check, and the contrasts."""
-    pct = lambda x: round(100.0 * x, 1)  # noqa: E731
     rows = report.get("checks", {}).get("rates", [])
     ids = sorted({r["check"] for r in rows})
     by_system: dict[str, dict[str, Any]] = {}
     for r in rows:
-        by_system.setdefault(r["label"], {"system": r["label"], **{c: None for c in ids}})[r["check"]] = pct(r["pass_rate"])
+        by_system.setdefault(r["label"], {"system": r["label"], **{c: None for c in ids}})[r["check"]] = _pct(r["pass_rate"])
     contrasts = pl.DataFrame([{
-        "check": c["check"], "difference": c["label"], "pass a %": pct(c["rate_a"]), "pass b %": pct(c["rate_b"]),
-        "points": pct(c["estimate"]), f"{round(100 * report['level'])} % interval": f"[{pct(c['low'])}, {pct(c['high'])}]",
-        "excludes 0": "yes" if c["excludes_zero"] else "no",
+        "check": c["check"], "difference": c["label"], "pass a %": _pct(c["rate_a"]), "pass b %": _pct(c["rate_b"]),
+        **_contrast_columns(c, report["level"]),
     } for c in report.get("checks", {}).get("contrasts", [])])
     return pl.DataFrame(list(by_system.values())), contrasts
+
+
+def _checks_blocks(report: dict[str, Any], heading: str = "##") -> list[str]:
+    """The checks section's markdown blocks (none without per-check data); ``heading``: its level."""
+    if not report.get("checks", {}).get("rates"):
+        return []
+    rates, contrasts = checks_tables(report)
+    blocks = [CHECKS_HEADING.replace("##", heading, 1), to_markdown(rates, float_precision=1)]
+    return blocks + ([to_markdown(contrasts, float_precision=1)] if contrasts.height else [])
 
 
 CHECKS_HEADING = ("## The target's checks, per system\n\n"
@@ -242,34 +249,36 @@ def _gains_heading(report: dict[str, Any]) -> str:
 
 def systems_table(report: dict[str, Any]) -> pl.DataFrame:
     """One row per system: success (mean over seeds) with its interval, per-seed means, rollouts and tokens."""
-    pct = lambda x: round(100.0 * x, 1)  # noqa: E731
     return pl.DataFrame([{
-        "system": r["label"], "success %": pct(r["estimate"]),
-        f"{round(100 * report['level'])} % interval": f"[{pct(r['low'])}, {pct(r['high'])}]",
-        "per seed %": ", ".join(f"{pct(x)}" for x in r["per_seed"]),
+        "system": r["label"], "success %": _pct(r["estimate"]),
+        f"{round(100 * report['level'])} % interval": f"[{_pct(r['low'])}, {_pct(r['high'])}]",
+        "per seed %": ", ".join(f"{_pct(x)}" for x in r["per_seed"]),
         "rollouts": _spent_text(r["rollouts"]), "tokens": _spent_text(r["tokens"]),
     } for r in report["systems"]])
 
 
+def _pct(x: float) -> float:
+    """A rate or difference in percent (points), to one decimal."""
+    return round(100.0 * x, 1)
+
+
+def _contrast_columns(row: dict[str, Any], level: float) -> dict[str, Any]:
+    """A contrast's figures as table columns: points, the interval and whether it excludes zero."""
+    return {"points": _pct(row["estimate"]), f"{round(100 * level)} % interval": f"[{_pct(row['low'])}, {_pct(row['high'])}]",
+            "excludes 0": "yes" if row["excludes_zero"] else "no"}
+
+
 def contrasts_table(report: dict[str, Any]) -> pl.DataFrame:
-    pct = lambda x: round(100.0 * x, 1)  # noqa: E731
-    return pl.DataFrame([{
-        "difference": c["label"], "points": pct(c["estimate"]),
-        f"{round(100 * report['level'])} % interval": f"[{pct(c['low'])}, {pct(c['high'])}]",
-        "excludes 0": "yes" if c["excludes_zero"] else "no",
-    } for c in report["contrasts"]], schema={"difference": pl.String, "points": pl.Float64,
+    return pl.DataFrame([{"difference": c["label"], **_contrast_columns(c, report["level"])} for c in report["contrasts"]], schema={"difference": pl.String, "points": pl.Float64,
                                              f"{round(100 * report['level'])} % interval": pl.String, "excludes 0": pl.String})
 
 
 def lacking_table(report: dict[str, Any]) -> pl.DataFrame:
     """The ``lacking`` rows: each adapter's contrasts on the test tasks of the families where its
     capability was LACKING on the train side."""
-    pct = lambda x: round(100.0 * x, 1)  # noqa: E731
     return pl.DataFrame([{
         "capability": r["capability"], "tasks": r["n_tasks"], "difference": r["label"],
-        "success a %": pct(r["success_a"]), "success b %": pct(r["success_b"]), "points": pct(r["estimate"]),
-        f"{round(100 * report['level'])} % interval": f"[{pct(r['low'])}, {pct(r['high'])}]",
-        "excludes 0": "yes" if r["excludes_zero"] else "no",
+        "success a %": _pct(r["success_a"]), "success b %": _pct(r["success_b"]), **_contrast_columns(r, report["level"]),
     } for r in report.get("lacking", [])])
 
 
@@ -325,11 +334,7 @@ def report_markdown(report: dict[str, Any], *, figure: str | None = None) -> str
         parts += [_lacking_heading(report), to_markdown(lacking_table(report), float_precision=1)]
     if report.get("gains"):
         parts += [_gains_heading(report), to_markdown(gains_table(report))]
-    if report.get("checks", {}).get("rates"):
-        rates, contrasts = checks_tables(report)
-        parts += [CHECKS_HEADING, to_markdown(rates, float_precision=1)]
-        if contrasts.height:
-            parts.append(to_markdown(contrasts, float_precision=1))
+    parts += _checks_blocks(report)
     if report["pass_k"]:
         parts += ["## pass^k (tau2-bench: mean over tasks of C(c, k) / C(n, k))",
                   to_markdown(pl.DataFrame([{"system": r["label"], "k": r["k"], "trials per task": r["trials_per_task"],
@@ -384,11 +389,7 @@ def readme_section(report: dict[str, Any], *, figure: str = "docs/experiment_for
     lines += ["", f"![forest plot]({figure})"]
     if report.get("gains"):
         lines += ["", _gains_heading(report).replace("## ", "### ", 1), "", to_markdown(gains_table(report))]
-    if report.get("checks", {}).get("rates"):
-        rates, contrasts = checks_tables(report)
-        lines += ["", CHECKS_HEADING.replace("## ", "### ", 1), "", to_markdown(rates, float_precision=1)]
-        if contrasts.height:
-            lines += ["", to_markdown(contrasts, float_precision=1)]
+    lines += [line for block in _checks_blocks(report, "###") for line in ("", block)]
     if report.get("cost"):
         lines += ["", "### What it cost", "", cost_text(report["cost"])]
     if report["notes"]:  # what was cut or missing travels with the figures

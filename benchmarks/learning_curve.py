@@ -383,6 +383,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-steps", type=int, default=None, help="assistant turns per episode")
     ap.add_argument("--temperature", type=float, default=None, help="sampling temperature")
     ap.add_argument("--beta", type=float, default=None, help="KL coefficient against the base (0: no reference forward)")
+    ap.add_argument("--resample-rounds", type=int, default=None,
+                    help="re-sample tied groups on fresh tasks, at most this many rounds per iteration")
     ap.add_argument("--seeds", default="0,1,2", help="training seeds, comma-separated")
     ap.add_argument("--eval-every", type=int, default=2, help="evaluate every this many iterations")
     ap.add_argument("--eval-tasks", type=int, default=None, help="evaluation seeds (default [train] eval_tasks)")
@@ -442,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     overrides = {"learning_rate": args.lr, "iterations": args.iterations, "groups": args.groups,
                  "samples_per_group": args.samples, "max_new_tokens": args.max_new_tokens, "max_steps": args.max_steps,
-                 "temperature": args.temperature, "beta": args.beta}
+                 "temperature": args.temperature, "beta": args.beta, "resample_rounds": args.resample_rounds}
     config = replace(settings.train.grpo, **{k: v for k, v in overrides.items() if v is not None})
     mode = VALIDATION if args.select else HELD_OUT
     eval_config = EvalConfig(n_tasks=args.eval_tasks or settings.train.eval_tasks,

@@ -295,6 +295,60 @@ def test_one_step_has_ratio_one_and_several_steps_use_the_rollout_logprobs(tiny_
     assert 0.3 < stats["clip_fraction"] <= 0.5 + 1e-6  # float32 mean
 
 
+def test_tied_groups_are_replaced_by_fresh_tasks_and_leave_the_batch(tiny_model_path, tokenizer, tmp_path):
+    """Dynamic sampling: a group whose rewards all tie trains nothing, so with ``resample_rounds`` it
+    is replaced by a group on a fresh task of the re-sampling seeds (round after round while the
+    replacement ties too); the batch keeps G groups, and the metrics are the iteration's own draw."""
+    env = _env(hint_share=0.0)
+    # iteration 1's first group ties, and so does the first round's replacement; the second round's does not
+    tie = {env.sample_tasks(1)[0].task_id, env.sample_tasks(1, offset=grpo.RESAMPLE_OFFSET)[0].task_id}
+    second = env.sample_tasks(1, offset=grpo.RESAMPLE_OFFSET + 2)[0].task_id  # round 2: G = 2 seeds on
+    spread = itertools.count()
+
+    def reward(rollout):
+        return 0.0 if rollout.task.task_id in tie else float(next(spread) % 2)
+
+    config = replace(SCRIPTED, iterations=1, groups=2, samples_per_group=2, resample_rounds=2)
+    model, _ = load_model(str(tiny_model_path))
+    trainer = GRPOTrainer(model, tokenizer, env, config, tmp_path / "resampled", reward_fn=reward,
+                          backend_factory=_scripted(tokenizer))
+    rollouts, samples = trainer.collect(1)
+    assert len(rollouts) == len(samples) == 8  # 2 x 2 drawn, then one group per round
+    kept = [s for s in samples if s.kept]
+    assert len(kept) == 4 and {s.task_id for s in kept} == {env.sample_tasks(2)[1].task_id, second}
+    assert not any(s.task_id in tie for s in kept)
+    assert trainer.optimize(samples, 1)["trained_sequences"] == 4
+
+    spread = itertools.count()
+    model, _ = load_model(str(tiny_model_path))
+    trainer = GRPOTrainer(model, tokenizer, env, config, tmp_path / "metrics", reward_fn=reward,
+                          backend_factory=_scripted(tokenizer))
+    metrics = trainer.step()
+    assert (metrics.resampled_groups, metrics.informative_groups, metrics.zero_std_groups) == (2, 2, 1)
+    assert metrics.trained_sequences == 4 and metrics.mean_reward == 0.25  # the draw: 0, 0 | 0, 1
+    assert "2 groups re-sampled" in metrics.line()
+    result = grpo.GRPOResult(adapter_dir=tmp_path, history=trainer.history, config=config, resumed_from=0,
+                             output_dir=tmp_path)
+    assert result.rollouts_played == 8  # what the equal-rollout baseline's budget counts
+
+    spread = itertools.count()
+    model, _ = load_model(str(tiny_model_path))
+    plain = GRPOTrainer(model, tokenizer, env, replace(config, resample_rounds=0), tmp_path / "plain",
+                        reward_fn=reward, backend_factory=_scripted(tokenizer))
+    rollouts, samples = plain.collect(1)
+    assert len(rollouts) == 4 and all(s.kept for s in samples)
+    assert plain.optimize(samples, 1)["trained_sequences"] == 2  # the tied group is skipped, as sampled
+
+
+def test_a_recipe_field_added_later_keeps_stored_adapters_current():
+    """``resample_rounds = 0`` is how every stored adapter was trained: at that value it stays out of
+    the identity (no retraining); set, it is part of it."""
+    assert "resample_rounds" not in GRPOConfig().identity()
+    assert GRPOConfig(resample_rounds=2).identity()["resample_rounds"] == 2
+    with pytest.raises(ValueError, match="resample_rounds"):
+        GRPOConfig(resample_rounds=-1)
+
+
 # ---------------------------------------------------------------- hints and masks
 
 

@@ -230,7 +230,7 @@ def train_grpo_on_target(context: AssetExecutionContext, settings: Settings, *, 
         )
         return {
             "adapter_dir": str(result.adapter_dir), "adapter_checksum": folder_checksum(result.adapter_dir),
-            "budget_rollouts": budget, "rollouts": len(result.history) * per_iteration,
+            "budget_rollouts": budget, "rollouts": result.rollouts_played,
             "tokens": sum(m.loss_tokens for m in result.history), "reward": reward,
             "families": sorted({t.family for t in env.tasks}),
             "iterations": len(result.history), "mlflow_run_id": registered.run_id,

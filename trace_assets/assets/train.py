@@ -230,7 +230,7 @@ def train_capability_adapter(context: AssetExecutionContext, settings: Settings,
         gate = promotion(comparison, alpha=train_cfg.promotion_alpha)
         context.log.info(f"[{name}] {gate['reason']}")
         history = result.history
-        rollouts = len(history) * grpo_config.groups * grpo_config.samples_per_group
+        rollouts = result.rollouts_played
         lineage = {
             "capability": name, "c_star_version": latest_data_version(context, "selected_capabilities"),
             "envspec_hash": synthetic_env["spec_hash"],

@@ -155,7 +155,7 @@ def _step(spec: dict[str, Any], direction: str, fixed: frozenset[str] = frozense
 CALIBRATION_OFFSET = 700_000
 """Calibration tasks are seeds ``start + CALIBRATION_OFFSET ...`` of a spec's seed range. The layout of
 that range: GRPO training from 0 (``GRPOConfig.seed_offset``; the paper's 40 iterations x G 4 use
-160), the router's index from 500,000 and its validation from 600,000 (``route.index_offset``),
+160), GRPO's re-sampled groups from 200,000 (``train.grpo.RESAMPLE_OFFSET``), the router's index from 500,000 and its validation from 600,000 (``route.index_offset``),
 calibration from 700,000, the held-out evaluation from 900,000 (``train.heldout.HELD_OUT_OFFSET``)."""
 CALIBRATION_STREAM = 2_000_000
 """Calibration's sampling seeds are ``derive_seed(training seed, CALIBRATION_STREAM + round)``;

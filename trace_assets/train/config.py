@@ -80,6 +80,12 @@ class GRPOConfig:
     """``c`` of the swapped tokens' truncated importance weight ``min(rho, c)``."""
     onpolicy_max_abs: float = 0.25
     """The on-policy guard's bound on ``mean |lp_sampler - lp_trainer|`` (nats per token); 0 disables."""
+    resample_rounds: int = 0
+    """Dynamic sampling (DAPO; the official TRACE re-samples constant-reward groups): a group whose
+    K rewards all tie has zero advantage and trains nothing, so it is replaced by a group on a fresh
+    task, for at most this many rounds per iteration. A round plays K episodes on as many fresh tasks
+    as groups still tie (seeds from ``seed_offset + grpo.RESAMPLE_OFFSET``); an informative
+    replacement takes the tied group's place in the batch. 0: train the G groups as sampled."""
     checkpoint_every: int = 1
     keep_checkpoints: int = 2
     seed: int = 0
@@ -95,10 +101,15 @@ class GRPOConfig:
             raise ValueError("epsilon must lie in [0, 1)")
         if self.hint_is_cap <= 0 or self.onpolicy_max_abs < 0:
             raise ValueError("hint_is_cap must be > 0 and onpolicy_max_abs >= 0")
+        if self.resample_rounds < 0:
+            raise ValueError("resample_rounds must be >= 0")
 
-    def rollout_config(self, iteration: int) -> RolloutConfig:
+    def rollout_config(self, iteration: int, resample_round: int = 0) -> RolloutConfig:
+        """Sampling of iteration ``iteration`` (1-based); round ``r > 0`` is its ``r``-th re-sampling
+        of tied groups (:attr:`resample_rounds`), on a stream of its own."""
+        seed = derive_seed(self.seed, 1_000_000 + iteration)
         return RolloutConfig.from_limits(self, temperature=self.temperature, top_p=self.top_p,
-                                         seed=derive_seed(self.seed, 1_000_000 + iteration))
+                                         seed=derive_seed(seed, resample_round) if resample_round else seed)
 
     EXECUTION_FIELDS: ClassVar[frozenset[str]] = frozenset(
         {"micro_batch_size", "micro_batch_tokens", "prefix_micro_batches", "gradient_checkpointing", "generation_batch_size",
@@ -108,12 +119,19 @@ class GRPOConfig:
     changes at most which random draws a sample gets, not its distribution. The guard's bound only
     decides whether a run stops, never what it computes."""
 
+    LATER_FIELDS: ClassVar[dict[str, Any]] = {"resample_rounds": 0}
+    """Recipe fields added after adapters were stored, with the value that reproduces those runs:
+    at that value a field stays out of the identity, so the stored adapters stay current."""
+
     def identity(self) -> dict[str, Any]:
         """``to_dict()`` without :attr:`EXECUTION_FIELDS`: what an adapter's ``code_version`` and
         folder key hash, so a memory setting tuned for a smaller machine never retrains anything.
         It names the LoRA initialization scheme too (:data:`LORA_INIT`): adapters initialized
-        another way are other adapters."""
-        return {**{k: v for k, v in self.to_dict().items() if k not in self.EXECUTION_FIELDS}, "lora_init": LORA_INIT}
+        another way are other adapters. :attr:`LATER_FIELDS` count only where they differ from the
+        older runs' behaviour."""
+        return {**{k: v for k, v in self.to_dict().items()
+                   if k not in self.EXECUTION_FIELDS and not (k in self.LATER_FIELDS and v == self.LATER_FIELDS[k])},
+                "lora_init": LORA_INIT}
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -43,7 +43,9 @@ Contract of :class:`GRPOTrainer` (``GRPOTrainer(model, tokenizer, env, config, o
   iteration) ``old`` is the rollout's own log-probs (the behaviour policy, free).
 * Groups whose rewards are all equal have zero advantage; with ``beta = 0`` they contribute no
   gradient, so they are skipped in the optimization (their tokens still count in the token-mean
-  denominator, so the step is identical to computing them).
+  denominator, so the step is identical to computing them). With ``config.resample_rounds`` such a
+  group is replaced by a group on a fresh task (DAPO's dynamic sampling), so that more of the
+  iteration's optimizer work carries signal; the replaced group leaves the batch.
 * Robustness: a checkpoint (adapter, optimizer, iteration, RNG state, metrics history) is written
   every ``checkpoint_every`` iterations into ``output_dir/checkpoints/iter-NNNN`` through a temporary
   folder and an atomic rename; ``train()`` resumes from the newest one. A non-finite loss or
@@ -107,6 +109,10 @@ from trace_assets.train.config import LORA_INIT, GRPOConfig
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = 1
+RESAMPLE_OFFSET = 200_000
+"""Fresh tasks for tied groups (``GRPOConfig.resample_rounds``) are env seeds from ``seed_offset +
+RESAMPLE_OFFSET``, G per (iteration, round): apart from the iterations' own seeds (from
+``seed_offset``) and below the router's (``synthesize.validate.CALIBRATION_OFFSET`` lays the range out)."""
 
 
 # ---------------------------------------------------------------- the math (pure functions)
@@ -271,6 +277,8 @@ class Sample:
     reward: float = 0.0
     success: bool = False
     """The environment's own success flag (kept even when ``reward_fn`` reshapes the reward)."""
+    kept: bool = True
+    """In the batch the optimizer trains; False: a tied group that a re-sampled one replaced."""
 
 
 def swap_system_prompt(rollout: Rollout, tokenizer: Any, tools: list[dict[str, Any]], plain_prompt: str) -> Rollout:
@@ -349,6 +357,11 @@ class IterationMetrics:
     """Mean |sampler - trainer| log-prob of the iteration's on-policy tokens (None: none trained)."""
     onpolicy_kl: float | None = None
     """k3 estimate of KL(sampler || trainer) on the same tokens."""
+    resampled_groups: int = 0
+    """Groups played to replace tied ones (``GRPOConfig.resample_rounds``); the reward and success
+    above are of the iteration's own G x K draw."""
+    informative_groups: int | None = None
+    """Groups of the trained batch whose rewards do not all tie (None: not recorded)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -359,6 +372,7 @@ class IterationMetrics:
                 f"loss {self.loss:.4f}, trained {self.trained_sequences} seqs / {self.loss_tokens} tokens, "
                 f"on-policy |d| {_fmt(self.onpolicy_mean_abs)} KL {_fmt(self.onpolicy_kl)}, "
                 + (f"KL to the base {self.kl:.4f}, " if self.kl else "")  # measured only with beta > 0
+                + (f"{self.resampled_groups} groups re-sampled, " if self.resampled_groups else "")
                 + f"gen {self.gen_time_s:.0f}s, opt {self.opt_time_s:.0f}s")
 
 
@@ -410,6 +424,11 @@ class GRPOResult:
     @property
     def iterations_done(self) -> int:
         return self.history[-1].iteration if self.history else 0
+
+    @property
+    def rollouts_played(self) -> int:
+        """Episodes sampled over the history: G x K per iteration, plus the re-sampled groups."""
+        return sum(self.config.groups + m.resampled_groups for m in self.history) * self.config.samples_per_group
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -542,18 +561,47 @@ class GRPOTrainer:
     # ---- one iteration ---------------------------------------------------------------------
 
     def collect(self, iteration: int) -> tuple[list[Rollout], list[Sample]]:
-        """Play the iteration's G x K episodes; return the rollouts and the optimizer's samples."""
+        """Play the iteration's G x K episodes, then re-sample its tied groups (``resample_rounds``).
+
+        Returns every rollout played and its sample, in play order: the first G x K are the
+        iteration's own draw (its reward and success metrics); ``Sample.kept`` marks the G groups
+        the optimizer trains (a tied group stays where no replacement was informative)."""
+        cfg = self.config
+        k = cfg.samples_per_group
+        rollouts, samples = self._play(iteration, cfg.groups, cfg.seed_offset + (iteration - 1) * cfg.groups, 0)
+        slots = [list(range(g * k, (g + 1) * k)) for g in range(cfg.groups)]  # sample indices per trained group
+
+        def tied(indices: list[int]) -> bool:
+            return len({samples[i].reward for i in indices}) == 1
+
+        for round_index in range(1, cfg.resample_rounds + 1):
+            waiting = [g for g, slot in enumerate(slots) if tied(slot)]
+            if not waiting:
+                break
+            offset = cfg.seed_offset + RESAMPLE_OFFSET + ((iteration - 1) * cfg.resample_rounds + round_index - 1) * cfg.groups
+            start = len(samples)
+            more_rollouts, more = self._play(iteration, len(waiting), offset, round_index)
+            rollouts, samples = rollouts + more_rollouts, samples + more
+            for j, g in enumerate(waiting):
+                fresh = list(range(start + j * k, start + (j + 1) * k))
+                if not tied(fresh):
+                    slots[g] = fresh
+        kept = {i for slot in slots for i in slot}
+        return rollouts, [replace(s, kept=i in kept) for i, s in enumerate(samples)]
+
+    def _play(self, iteration: int, groups: int, offset: int, resample_round: int) -> tuple[list[Rollout], list[Sample]]:
+        """K episodes on each of ``groups`` tasks from env seed ``offset``, with their samples."""
         cfg = self.config
         try:
-            tasks = self.env.sample_tasks(cfg.groups, offset=cfg.seed_offset + (iteration - 1) * cfg.groups)
+            tasks = self.env.sample_tasks(groups, offset=offset)
         except Exception as exc:
             raise RolloutError(f"sampling tasks failed: {type(exc).__name__}: {exc}", iteration=iteration,
                                task_id=None, checkpoint=self.latest_checkpoint()) from exc
         batch = [task for task in tasks for _ in range(cfg.samples_per_group)]
         self.model.eval()
-        rollouts = run_rollouts(self.env, batch, self.backend, self.tokenizer, cfg.rollout_config(iteration))
+        rollouts = run_rollouts(self.env, batch, self.backend, self.tokenizer, cfg.rollout_config(iteration, resample_round))
         rewards = [self._reward(r, iteration) for r in rollouts]
-        adv = group_advantages(torch.tensor(rewards, dtype=torch.float64).view(cfg.groups, cfg.samples_per_group),
+        adv = group_advantages(torch.tensor(rewards, dtype=torch.float64).view(groups, cfg.samples_per_group),
                                cfg.advantage_eps).view(-1).tolist()
         samples = []
         for rollout, reward, advantage in zip(rollouts, rewards, adv):
@@ -612,6 +660,7 @@ class GRPOTrainer:
     def optimize(self, samples: list[Sample], iteration: int) -> dict[str, float]:
         """``steps_per_iteration`` optimizer steps on ``samples``; raises before a non-finite step."""
         cfg = self.config
+        samples = [s for s in samples if s.kept]
         n_tokens = sum(sum(s.loss_mask[1:]) for s in samples)
         active = [s for s in samples if s.advantage != 0.0 or cfg.beta > 0]
         active = [s for s in active if any(s.loss_mask[1:])]
@@ -703,17 +752,21 @@ class GRPOTrainer:
         stats = self.optimize(samples, iteration)
         release_memory()  # the freed activations' pages go back before the next generation
         opt_time = time.perf_counter() - opt_start
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+        drawn = samples[: cfg.groups * cfg.samples_per_group]  # the iteration's own draw: unbiased metrics
+        rewards = torch.tensor([s.reward for s in drawn], dtype=torch.float64)
         grouped = rewards.view(cfg.groups, cfg.samples_per_group)
+        trained = torch.tensor([s.reward for s in samples if s.kept], dtype=torch.float64).view(cfg.groups, -1)
         metrics = IterationMetrics(
             iteration=iteration, mean_reward=float(rewards.mean()),
-            success_rate=sum(s.success for s in samples) / len(samples), reward_std=float(rewards.std(unbiased=False)),
+            success_rate=sum(s.success for s in drawn) / len(drawn), reward_std=float(rewards.std(unbiased=False)),
             loss=stats["loss"], clip_fraction=stats["clip_fraction"], grad_norm=stats["grad_norm"],
             kl=stats["kl"], gen_time_s=gen_time, opt_time_s=opt_time, iter_time_s=0.0,
             loss_tokens=int(stats["loss_tokens"]), trained_sequences=int(stats["trained_sequences"]),
             zero_std_groups=int((grouped.std(dim=1, unbiased=False) == 0).sum()),
-            hinted=sum(s.hinted for s in samples), optimizer_steps=int(stats["steps"]),
+            hinted=sum(s.hinted for s in drawn), optimizer_steps=int(stats["steps"]),
             onpolicy_mean_abs=stats["onpolicy_mean_abs"], onpolicy_kl=stats["onpolicy_kl"],
+            resampled_groups=(len(samples) - len(drawn)) // cfg.samples_per_group,
+            informative_groups=int((trained.std(dim=1, unbiased=False) > 0).sum()),
         )
         self.iteration = iteration
         self.history.append(metrics)

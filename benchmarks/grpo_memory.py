@@ -11,6 +11,7 @@ for memory). Only execution fields vary (``micro_batch_tokens``, ``gradient_chec
 gradient must agree across variants (its cosine to the first variant's is printed).
 
     .venv/bin/python benchmarks/grpo_memory.py --model demo [--agent <data>/models/base_agent/<key>]
+    .venv/bin/python benchmarks/grpo_memory.py --agent <agent> --variants tokens2048+ckpt,tokens4096+ckpt,tokens4096
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 VARIANTS = {  # name: (micro_batch_tokens, gradient_checkpointing)
     "tokens6144": (6144, False),
+    "tokens4096": (4096, False),
     "tokens2048": (2048, False),
     "tokens6144+ckpt": (6144, True),
+    "tokens4096+ckpt": (4096, True),
     "tokens2048+ckpt": (2048, True),
 }
 
@@ -114,7 +117,7 @@ def main() -> None:
         del trainer
         samples_file = Path(tmp) / "samples.pkl"
         samples_file.write_bytes(pickle.dumps(samples))
-        first = None
+        first, first_s = None, None
         for name in ["load", *[v.strip() for v in args.variants.split(",") if v.strip()]]:
             grad_file = Path(tmp) / f"{name}.pt"
             cmd = [sys.executable, __file__, "--child", name, "--samples-file", str(samples_file), "--grad-file", str(grad_file),
@@ -127,8 +130,10 @@ def main() -> None:
             if name != "load":
                 grad = torch.load(grad_file).double()
                 first = grad if first is None else first
+                first_s = first_s or row["step_s"]
                 cosine = float(torch.nn.functional.cosine_similarity(grad, first, dim=0))
-                line += f"  step {row['step_s']:6.1f} s  |grad| {float(grad.norm()):.4g}  cosine to first {cosine:.6f}"
+                line += (f"  step {row['step_s']:6.1f} s (x{first_s / row['step_s']:.2f} the first's speed)"
+                         f"  |grad| {float(grad.norm()):.4g}  cosine to first {cosine:.6f}")
             print(line, flush=True)
 
 

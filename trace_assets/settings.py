@@ -189,7 +189,7 @@ class SynthesisSettings:
 
 DEMO_GRPO = replace(
     GRPOConfig(), learning_rate=1e-4, iterations=4, groups=4, samples_per_group=4, max_steps=12, temperature=0.7,
-    micro_batch_size=4, steps_per_iteration=1, micro_batch_tokens=2048, gradient_checkpointing=True,
+    micro_batch_size=4, steps_per_iteration=1, micro_batch_tokens=4096, gradient_checkpointing=True,
 )
 """The demo's GRPO recipe, for a 2-core CPU. ``GRPOConfig()`` is the paper's (lr 1e-5, 40 iterations,
 temperature 1.0, 50 steps; the ``paper`` profile); the demo differs on purpose, and says why:
@@ -201,12 +201,17 @@ temperature 1.0, 50 steps; the ``paper`` profile); the demo differs on purpose, 
   ~2 min here, and ~1.3 min more of baseline). 5 iterations measured the adapter's held-out synthetic
   reward 0.625 -> 0.677 (success 0.56 -> 0.63) but a 78-minute demo. 12 turns, not 8: the base agent's
   successful multi-step train episodes take 8-9 turns.
-* micro-batches of at most 2,048 tokens with gradient checkpointing (execution fields: no adapter's
+* micro-batches of at most 4,096 tokens with gradient checkpointing (execution fields: no adapter's
   identity changes). Without checkpointing, activations take 1.5-1.8 GB per 1k tokens, and the
   demo's GRPO steps peaked at 20 GB with 6,144-token passes, 14.7 GB with 2,048. One step on 8
   GRPO-on-target samples (17.5k tokens, demo agent; ``benchmarks/grpo_memory.py``): 2,048 tokens
   5.4 GB in 125 s, with checkpointing 2.8 GB in 177 s and the same gradient (cosine 1.000000);
-  the model alone takes 2.3 GB.
+  the model alone takes 2.3 GB. 4,096 rather than 2,048: a decision-point episode is a ~1.5k-token
+  prompt plus ~0.2-0.5k tokens, so 2,048 tokens left each sample alone and ran each task's prompt
+  K times; 4,096 runs it once per task (``prefix_micro_batches``). One step on 16 samples of the
+  template E_confirm_before_writing (27.5k tokens, demo agent, native bf16): 2,048 tokens 154 s,
+  4,096 tokens 94 s (1.64x) at 3.0 GB peak, without checkpointing 71 s at 7.0 GB; gradient cosine
+  0.99992 (bf16 rounding of another split).
 * temperature 0.7: measured on the TRAIN side (calibration round 0 of the two demo capabilities,
   16 seeds x 2, 12 turns): at T = 1.0 mean reward 0.125 / 0.193 and success 0.031 / 0.094; at
   T = 0.7, 0.207 / 0.307 and 0.062 / 0.156. At T = 1.0 a 135M model's samples are mostly noise.

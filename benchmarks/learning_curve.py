@@ -328,7 +328,8 @@ def figure(result: dict[str, Any]) -> bytes:
     axes[1].legend(fontsize=8, loc="best")
     g = result["grpo"]
     fig.suptitle(f"E_{result['capability']}: lr {g['learning_rate']:g}, G {g['groups']} x K {g['samples_per_group']}, "
-                 f"{g['max_steps']} turns x {g['max_new_tokens']} tokens", fontsize=10)
+                 f"{g['max_steps']} turns x {g['max_new_tokens']} tokens"
+                 + (f", tied groups re-sampled up to {g['resample_rounds']}x" if g.get("resample_rounds") else ""), fontsize=10)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")

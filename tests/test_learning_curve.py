@@ -23,7 +23,11 @@ def _module():
     return module
 
 
-@pytest.mark.parametrize("extra,offset", [([], HELD_OUT_OFFSET), (["--select", "--no-calibrate"], TRAIN_VALIDATION_OFFSET)])
+@pytest.mark.parametrize("extra,offset", [
+    ([], HELD_OUT_OFFSET),
+    # the tiny random model earns reward 0 everywhere: its one group ties and is re-sampled once
+    (["--select", "--no-calibrate", "--resample-rounds", "1"], TRAIN_VALIDATION_OFFSET),
+])
 def test_one_iteration_on_tiny_writes_json_and_png(tmp_path, monkeypatch, tiny_model_path, extra, offset):
     monkeypatch.setenv("TRACE_DATA_DIR", str(tmp_path / "data"))
     out = tmp_path / "curve"
@@ -36,7 +40,10 @@ def test_one_iteration_on_tiny_writes_json_and_png(tmp_path, monkeypatch, tiny_m
     [seed] = data["seeds"]
     assert [p["iteration"] for p in seed["points"]] == [0, 1]
     before, after = seed["points"]
-    assert before["rollouts"] == 0 and after["rollouts"] == 2 and after["generated_tokens"] > 0
+    resampled = data["grpo"]["resample_rounds"]
+    assert resampled == (1 if "--resample-rounds" in extra else 0)
+    assert seed["history"][0]["resampled_groups"] == resampled
+    assert before["rollouts"] == 0 and after["rollouts"] == 2 * (1 + resampled) and after["generated_tokens"] > 0
     assert after["sequence_tokens"] > after["generated_tokens"] and after["train_wall_s"] > 0
     assert len(seed["history"]) == 1 and data["grpo"]["learning_rate"] > 0
     assert data["summary"]["success_gain_per_seed"] == {"0": after["success"] - before["success"]}

@@ -372,7 +372,8 @@ class IterationMetrics:
                 f"loss {self.loss:.4f}, trained {self.trained_sequences} seqs / {self.loss_tokens} tokens, "
                 f"on-policy |d| {_fmt(self.onpolicy_mean_abs)} KL {_fmt(self.onpolicy_kl)}, "
                 + (f"KL to the base {self.kl:.4f}, " if self.kl else "")  # measured only with beta > 0
-                + (f"{self.resampled_groups} groups re-sampled, " if self.resampled_groups else "")
+                + (f"{self.resampled_groups} group{'s' * (self.resampled_groups != 1)} re-sampled, "
+                   if self.resampled_groups else "")
                 + f"gen {self.gen_time_s:.0f}s, opt {self.opt_time_s:.0f}s")
 
 

@@ -297,5 +297,17 @@ def test_the_report_says_what_it_cost_and_where():
     assert "**50 min 00 s**" in text  # 900 + 1500 + 600 s
     assert "No step duration on record for some partitions of: experiment_eval." in text
     assert "## What it cost" in report_markdown(report) and "### What it cost" in readme_section(report)
+    assert "every materialization" not in text  # each asset materialized once: one sum
+    # experiment_eval re-materialized on its stored episodes (2 min) after the run that played them (60 min each)
+    for row in report["cost"]["phases"]:
+        row.update(materializations=row["timed"], all_s=row["wall_s"])
+    report["cost"]["phases"][2].update(materializations=5, all_s=600.0 + 3 * 3600.0)
+    text = cost_text(report["cost"])
+    cells = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in text.splitlines()
+             if line.startswith("| ") and not line.startswith("| asset")}
+    assert cells["experiment_eval"] == ["3", "10 min 00 s", "5 min 00 s – 5 min 00 s", "5: 190 min 00 s"]
+    assert cells["experiment_adapter"][-1] == "3: 25 min 00 s"
+    assert cells["**sum**"][1:] == ["**50 min 00 s**", "", "**230 min 00 s**"]
+    assert "Materialized more than once (a code change, or a partition re-run): experiment_eval." in text
     del report["cost"]
     assert "What it cost" not in report_markdown(report) + readme_section(report)

@@ -78,6 +78,7 @@ def test_the_experiment_runs_every_seed_and_reports_intervals(experiment):
     assert phases["experiment_adapter"]["partitions"] == 2 * len(trained)
     for row in phases.values():
         assert row["timed"] == row["partitions"] and 0 < row["min_s"] <= row["max_s"] <= row["wall_s"]
+        assert row["materializations"] >= row["timed"] and row["all_s"] >= row["wall_s"]
     assert report["cost"]["machine"]["cores"] >= 1 and "## What it cost" in markdown
     png = (data / "reports" / "experiment_forest.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"

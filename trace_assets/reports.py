@@ -78,20 +78,26 @@ def step_durations(instance: Any, run_ids: Sequence[str]) -> dict[tuple[str, str
 
 
 def phase_rows(instance: Any, keys: Sequence[Any]) -> list[dict[str, Any]]:
-    """What each asset of ``keys`` (in that order; those never materialized are left out) cost
-    when it was last computed: over every partition's latest materialization, its Dagster step's
-    duration, summed (``wall_s``), fastest and slowest. ``timed`` counts the partitions whose step
-    duration the event log holds (a materialization reported outside a step has none), however many
-    runs (resumed, or re-run one partition at a time) it took."""
-    latest = {key: entries for key in keys if (entries := _latest_entries(instance, key))}
+    """What each asset of ``keys`` (in that order; those never materialized are left out) cost.
+
+    Over every partition's latest materialization: its Dagster step's duration, summed
+    (``wall_s``), fastest and slowest. ``timed`` counts the partitions whose step duration the event
+    log holds (a materialization reported outside a step has none). A latest materialization may
+    have reused work that an earlier one did (stored test episodes, a finished training), so it can
+    take minutes where the work took hours: ``materializations`` and ``all_s`` count and sum the
+    step durations of EVERY materialization of the asset's partitions, earlier ones included (which
+    in turn overcounts work redone after a code change). The report shows both."""
+    history = {key: entries for key in keys if (entries := _partition_entries(instance, key))}
     # one event-log read per run: a run often materializes several of the assets (a seed's env and adapter)
-    durations = step_durations(instance, [e.run_id for entries in latest.values() for e in entries.values()])
+    durations = step_durations(instance, [e.run_id for entries in history.values() for es in entries.values() for e in es])
     rows = []
-    for key, entries in latest.items():
+    for key, entries in history.items():
         step = key.to_python_identifier()
-        walls = [durations[(e.run_id, step)] for e in entries.values() if (e.run_id, step) in durations]
+        walls = [durations[(es[0].run_id, step)] for es in entries.values() if (es[0].run_id, step) in durations]
+        every = [durations[(e.run_id, step)] for es in entries.values() for e in es if (e.run_id, step) in durations]
         rows.append({"asset": key.to_user_string(), "partitions": len(entries), "timed": len(walls), "wall_s": sum(walls),
-                     "min_s": min(walls, default=None), "max_s": max(walls, default=None)})
+                     "min_s": min(walls, default=None), "max_s": max(walls, default=None),
+                     "materializations": len(every), "all_s": sum(every)})
     return rows
 
 
@@ -125,15 +131,21 @@ def wall_text(seconds: float | None) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
 
 
+def _partition_entries(instance: Any, key: Any) -> dict[str | None, list[Any]]:
+    """The event log entries of each partition's materializations of ``key``, newest first (the
+    key None when unpartitioned), in partition order."""
+    from dagster import AssetRecordsFilter
+
+    entries: dict[str | None, list[Any]] = {}
+    for record in instance.fetch_materializations(AssetRecordsFilter(asset_key=key), limit=1000).records:
+        entries.setdefault(record.partition_key, []).append(record.event_log_entry)  # newest first
+    return {p: entries[p] for p in sorted(entries, key=lambda p: p or "")}
+
+
 def _latest_entries(instance: Any, key: Any) -> dict[str | None, Any]:
     """The event log entry of each partition's latest materialization of ``key`` (the key None
     when unpartitioned), in partition order."""
-    from dagster import AssetRecordsFilter
-
-    latest: dict[str | None, Any] = {}
-    for record in instance.fetch_materializations(AssetRecordsFilter(asset_key=key), limit=200).records:
-        latest.setdefault(record.partition_key, record.event_log_entry)  # newest first
-    return {p: latest[p] for p in sorted(latest, key=lambda p: p or "")}
+    return {p: entries[0] for p, entries in _partition_entries(instance, key).items()}
 
 
 def _latest(instance: Any, name: str) -> list[Any]:

@@ -304,20 +304,34 @@ def _protocol(report: dict[str, Any]) -> str:
 def cost_text(cost: dict[str, Any]) -> str:
     """What the experiment cost and where (``report["cost"]``: the machine, from
     ``trace_assets.reports.machine``, and each asset's step durations, from
-    ``trace_assets.reports.phase_rows``), as a sentence and a table."""
+    ``trace_assets.reports.phase_rows``), as a sentence and a table. Where an asset was
+    materialized more than once, a column adds every materialization's time: the latest alone may
+    have reused what an earlier one computed."""
     host, rows = cost["machine"], cost["phases"]
     timed = [r for r in rows if r["timed"]]
     head = (f"Report written on {host['cpu']}, {host['cores']} cores, {host['memory_gb']} GB RAM, native bf16 (AVX-512 "
             f"BF16): {'yes' if host['avx512_bf16'] else 'no'}, at commit `{host['commit']}`; the steps ran where and when "
             "their runs did (a resumed experiment may span machines). Each asset's Dagster step durations over its "
-            "partitions' latest materializations, however many runs they took; steps run one at a time, so the sum is the "
-            "experiment's compute time, without the seconds each step process takes to start.")
+            "partitions' latest materializations; steps run one at a time, so the sum is the experiment's compute time, "
+            "without the seconds each step process takes to start.")
+    # rows from before the history was kept count their latest materializations only
+    redone = [r for r in timed if r.get("materializations", r["timed"]) > r["timed"]]
     table = pl.DataFrame([{"asset": r["asset"], "partitions": r["partitions"], "wall time": wall_text(r["wall_s"]),
                            "per partition": wall_text(r["min_s"]) if r["partitions"] == 1
-                           else f"{wall_text(r['min_s'])} – {wall_text(r['max_s'])}"}
+                           else f"{wall_text(r['min_s'])} – {wall_text(r['max_s'])}",
+                           **({"every materialization": f"{r.get('materializations', r['timed'])}: "
+                                                        f"{wall_text(r.get('all_s', r['wall_s']))}"} if redone else {})}
                           for r in timed]
                          + [{"asset": "**sum**", "partitions": sum(r["partitions"] for r in timed),
-                             "wall time": f"**{wall_text(sum(r['wall_s'] for r in timed))}**", "per partition": ""}])
+                             "wall time": f"**{wall_text(sum(r['wall_s'] for r in timed))}**", "per partition": "",
+                             **({"every materialization": f"**{wall_text(sum(r.get('all_s', r['wall_s']) for r in timed))}**"}
+                                if redone else {})}])
+    if redone:
+        head += (f" Materialized more than once (a code change, or a partition re-run): {', '.join(r['asset'] for r in redone)}. "
+                 "A latest materialization can reuse what an earlier one computed (stored test episodes, a finished "
+                 "training) and take minutes where the work took hours, so \"every materialization\" adds the earlier "
+                 "ones' step durations, which counts work redone after a change twice: read the first sum as a lower "
+                 "bound of what the results cost, the second as an upper one.")
     untimed = [r["asset"] for r in rows if r["timed"] < r["partitions"]]
     tail = f"\n\nNo step duration on record for some partitions of: {', '.join(untimed)}." if untimed else ""
     return f"{head}\n\n{to_markdown(table)}{tail}"

@@ -41,7 +41,9 @@ forest plot of the target test's systems and paired differences). All are rewrit
 after every seed (the JSON's ``complete`` is false until the last), so a killed run keeps the
 seeds it finished; ``--resume`` reuses them when the stored run measured the same thing (agent,
 environment spec, GRPO settings but the seed, evaluation and target-test tasks) and refuses,
-naming the file and the fields that differ, when it did not.
+naming the file and the fields that differ, when it did not. ``--resume --target-test`` on a run
+measured without the target test adds it to the stored seeds, from the adapters that run saved
+(``--save-adapters``), without retraining them.
 
     .venv/bin/python benchmarks/learning_curve.py --capability confirm_before_writing \\
         --agent data/models/base_agent/<key> --iterations 8 --eval-every 2 --seeds 0,1,2
@@ -64,6 +66,7 @@ from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from trace_assets.train.config import GRPOConfig  # noqa: E402
 from trace_assets.train.grpo import GRPOTrainer  # noqa: E402
 
 HELD_OUT = "held-out"
@@ -178,6 +181,22 @@ def target_test(model: Any, tokenizer: Any, pool: Any, eval_config: Any, *, out:
     return results
 
 
+def saved_target_test(agent: str, tokenizer: Any, adapter_dir: Path, target: tuple[Any, Any], *, seed: int, base: bool,
+                      backend_factory: Any, device: str, log: Any) -> dict[str, Any]:
+    """:func:`target_test` of the adapter that an earlier run of seed ``seed`` saved to
+    ``adapter_dir`` (``--save-adapters``): a stored seed gains its target test without retraining."""
+    from peft import PeftModel
+
+    from trace_assets.agent.model import load_model
+
+    model, _ = load_model(agent, device=device)
+    model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=False)
+    log(f"seed {seed}: target test of its saved adapter {adapter_dir}")
+    with tempfile.TemporaryDirectory(prefix=f"target-test-{seed}-") as out:
+        return target_test(model, tokenizer, *target, out=Path(out), seed=seed, base=base,
+                           backend_factory=backend_factory, log=log)
+
+
 def learning_curve(agent: str, tokenizer: Any, env: Any, config: Any, eval_config: Any, *, seed: int,
                    eval_every: int, backend_factory: Any, device: str, log: Any,
                    target: tuple[Any, Any] | None = None, target_base: bool = False,
@@ -227,7 +246,8 @@ def learning_curve(agent: str, tokenizer: Any, env: Any, config: Any, eval_confi
         tested = (target_test(trainer.model, tokenizer, *target, out=Path(out), seed=seed, base=target_base,
                               backend_factory=backend_factory, log=log) if target else None)
     return {"seed": seed, "points": points, "history": [m.to_dict() for m in trainer.history],
-            "generation_backend": generation, **({"target_test": tested} if tested else {})}
+            "generation_backend": generation, **({"adapter_dir": str(save_to)} if save_to is not None else {}),
+            **({"target_test": tested} if tested else {})}
 
 
 def summarize(seeds: Sequence[dict[str, Any]], families: Sequence[str] | None = None) -> dict[str, Any]:
@@ -329,6 +349,7 @@ def figure(result: dict[str, Any]) -> bytes:
     g = result["grpo"]
     fig.suptitle(f"E_{result['capability']}: lr {g['learning_rate']:g}, G {g['groups']} x K {g['samples_per_group']}, "
                  f"{g['max_steps']} turns x {g['max_new_tokens']} tokens"
+                 + (f", warmup {g['warmup_iterations']} it." if g.get("warmup_iterations") else "")
                  + (f", tied groups re-sampled up to {g['resample_rounds']}x" if g.get("resample_rounds") else ""), fontsize=10)
     fig.tight_layout()
     buf = io.BytesIO()
@@ -384,6 +405,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-steps", type=int, default=None, help="assistant turns per episode")
     ap.add_argument("--temperature", type=float, default=None, help="sampling temperature")
     ap.add_argument("--beta", type=float, default=None, help="KL coefficient against the base (0: no reference forward)")
+    ap.add_argument("--warmup-iterations", type=int, default=None,
+                    help="iterations that ramp the learning rate up linearly before the full rate")
     ap.add_argument("--resample-rounds", type=int, default=None,
                     help="re-sample tied groups on fresh tasks, at most this many rounds per iteration")
     ap.add_argument("--seeds", default="0,1,2", help="training seeds, comma-separated")
@@ -445,7 +468,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     overrides = {"learning_rate": args.lr, "iterations": args.iterations, "groups": args.groups,
                  "samples_per_group": args.samples, "max_new_tokens": args.max_new_tokens, "max_steps": args.max_steps,
-                 "temperature": args.temperature, "beta": args.beta, "resample_rounds": args.resample_rounds}
+                 "temperature": args.temperature, "beta": args.beta, "resample_rounds": args.resample_rounds,
+                 "warmup_iterations": args.warmup_iterations}
     config = replace(settings.train.grpo, **{k: v for k, v in overrides.items() if v is not None})
     mode = VALIDATION if args.select else HELD_OUT
     eval_config = EvalConfig(n_tasks=args.eval_tasks or settings.train.eval_tasks,
@@ -505,6 +529,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     def ordered() -> list[dict[str, Any]]:
         return [runs[s] for s in seeds if s in runs] + [r for s, r in sorted(runs.items()) if s not in seeds]
 
+    if target_eval:  # stored seeds measured without the target test gain it from their saved adapters
+        for seed in [s for s, r in runs.items() if "target_test" not in r]:
+            saved = runs[seed].get("adapter_dir") or (args.save_adapters and str(Path(args.save_adapters) / f"seed{seed}"))
+            folder = Path(saved or "")
+            if not saved or not (folder / "adapter_config.json").exists():
+                raise SystemExit(f"--resume --target-test: seed {seed} in {files['.json']} has no target test and no "
+                                 f"saved adapter{f' at {folder}' if saved else ''}: pass the --save-adapters folder of "
+                                 "the run that trained it, or another --out")
+            base_done = any("base" in r.get("target_test", {}) for r in runs.values())
+            runs[seed] = {**runs[seed], "adapter_dir": str(folder), "target_test": saved_target_test(
+                agent, tokenizer, folder, target_eval, seed=seed, base=not base_done, backend_factory=factory,
+                device=args.device, log=log)}
+            write_result(files, assemble(result, ordered(), complete=all(s in runs for s in seeds)))
+            log(f"wrote seed {seed}'s target test to {files['.json']}")
     for seed in seeds:
         if seed in runs:
             continue
@@ -538,7 +576,8 @@ _NOT_COMPARED = ("seeds", "summary", "complete", "created_at", "environment_buil
 def _comparable(result: dict[str, Any]) -> dict[str, Any]:
     # Through JSON first: a stored run has been, and a tuple in memory must equal its stored list.
     kept = {k: v for k, v in json.loads(json.dumps(result, default=str)).items() if k not in _NOT_COMPARED}
-    kept["grpo"] = {k: v for k, v in kept.get("grpo", {}).items() if k != "seed"}
+    later = GRPOConfig.LATER_FIELDS  # a field added since, at the value that reproduces the stored run
+    kept["grpo"] = {k: v for k, v in kept.get("grpo", {}).items() if k != "seed" and not (k in later and v == later[k])}
     kept["environment"] = {"spec_hash": kept.get("environment", {}).get("spec_hash")}
     kept["generation"] = {k: v for k, v in kept.get("generation", {}).items() if k != "used"}
     if "target_test" in kept:
@@ -558,6 +597,8 @@ def resumed_seeds(path: Path, result: dict[str, Any]) -> dict[int, dict[str, Any
     except json.JSONDecodeError as exc:
         raise SystemExit(f"--resume: {path} is not valid JSON (line {exc.lineno}): {exc.msg}") from exc
     theirs, ours = _comparable(stored), _comparable(result)
+    if "target_test" in ours and "target_test" not in theirs:
+        ours.pop("target_test")  # measured without it: main adds it to the stored seeds from their saved adapters
     differ = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
     if differ:
         detail = "; ".join(f"{k}: stored {theirs.get(k)!r} != now {ours.get(k)!r}" for k in differ)
@@ -570,8 +611,9 @@ def assemble(result: dict[str, Any], runs: list[dict[str, Any]], *, complete: bo
     data = {**result, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "complete": complete,
             "generation": {**result["generation"], "used": sorted({r["generation_backend"] for r in runs})},
             "seeds": runs, "summary": summarize(runs, result["eval"].get("families"))}
-    if "target_test" in result:
-        data["target_test"] = {**result["target_test"], **target_summary(runs)}
+    tested = [r for r in runs if "target_test" in r]  # a resumed run adds it to stored seeds one by one
+    if "target_test" in result and tested:
+        data["target_test"] = {**result["target_test"], **target_summary(tested)}
     return data
 
 

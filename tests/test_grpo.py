@@ -343,10 +343,34 @@ def test_tied_groups_are_replaced_by_fresh_tasks_and_leave_the_batch(tiny_model_
 def test_a_recipe_field_added_later_keeps_stored_adapters_current():
     """``resample_rounds = 0`` is how every stored adapter was trained: at that value it stays out of
     the identity (no retraining); set, it is part of it."""
-    assert "resample_rounds" not in GRPOConfig().identity()
-    assert GRPOConfig(resample_rounds=2).identity()["resample_rounds"] == 2
-    with pytest.raises(ValueError, match="resample_rounds"):
-        GRPOConfig(resample_rounds=-1)
+    for name in GRPOConfig.LATER_FIELDS:
+        assert name not in GRPOConfig().identity()
+        assert GRPOConfig(**{name: 2}).identity()[name] == 2
+        with pytest.raises(ValueError, match=name):
+            GRPOConfig(**{name: -1})
+
+
+def test_warmup_ramps_the_learning_rate_of_the_first_iterations(tiny_model_path, tokenizer, tmp_path):
+    """``warmup_iterations = 2``: iterations 1, 2, 3 step at 1/3, 2/3 and the full rate; a trainer
+    resumed at iteration 2 steps at iteration 2's rate, not at its optimizer's stored one."""
+    config = replace(SCRIPTED, learning_rate=3e-3, warmup_iterations=2, iterations=3)
+    assert [config.learning_rate_at(i) for i in (1, 2, 3, 4)] == pytest.approx([1e-3, 2e-3, 3e-3, 3e-3])
+    assert GRPOConfig(learning_rate=1e-3).learning_rate_at(1) == 1e-3
+    model, _ = load_model(str(tiny_model_path))
+    trainer = GRPOTrainer(model, tokenizer, _env(hint_share=0.0), config, tmp_path / "warm",
+                          reward_fn=_alternating_reward(), backend_factory=_scripted(tokenizer))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.step()
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
+    # Adam's first step moves each entry by at most the rate (|m / (sqrt(v) + eps)| <= 1), the largest by about it
+    moved = max((p.detach() - before[n]).abs().max().item() for n, p in trainer.model.named_parameters() if p.requires_grad)
+    assert 0.8e-3 < moved <= 1e-3 * (1 + 1e-4)
+    model, _ = load_model(str(tiny_model_path))
+    resumed = GRPOTrainer(model, tokenizer, _env(hint_share=0.0), config, tmp_path / "warm",
+                          reward_fn=_alternating_reward(), backend_factory=_scripted(tokenizer))
+    assert resumed.resume() == 1
+    resumed.step()
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(2e-3)
 
 
 # ---------------------------------------------------------------- hints and masks

@@ -217,3 +217,39 @@ def test_each_seed_is_written_as_it_ends_and_resume_reuses_only_what_measured_th
     with pytest.raises(SystemExit, match=r"curve\.json measured something else \(grpo: .*learning_rate"):
         module.main([*common, "--seeds", "3", "--resume", "--lr", "0.5"])
     assert json.loads((tmp_path / "curve.json").read_text()) == stored  # the refused run changed nothing
+
+
+def test_resume_adds_the_target_test_to_stored_seeds_from_their_saved_adapters(tmp_path, monkeypatch, tiny_model_path):
+    """A run measured without --target-test gains it on --resume, from the adapters it saved, without
+    retraining; a seed whose adapter was not saved is named, and nothing is written."""
+    monkeypatch.setenv("TRACE_DATA_DIR", str(tmp_path / "data"))
+    module = _module()
+    out, saved = tmp_path / "curve", tmp_path / "adapters"
+    common = ["--agent", str(tiny_model_path), "--profile", "tiny", "--capability", "confirm_before_writing",
+              "--no-calibrate", "--iterations", "1", "--groups", "1", "--samples", "2", "--max-steps", "1",
+              "--max-new-tokens", "4", "--eval-tasks", "1", "--backend", "transformers", "--out", str(out)]
+    test = ["--target-test", "--families", "cancel_pending", "--resume"]
+    module.main([*common, "--seeds", "0"])  # nothing saved
+    with pytest.raises(SystemExit, match=r"seed 0 in .*curve\.json has no target test and no saved adapter"):
+        module.main([*common, *test, "--seeds", "0"])
+    assert "target_test" not in json.loads((tmp_path / "curve.json").read_text())
+
+    module.main([*common, "--seeds", "0,1", "--save-adapters", str(saved), "--out", str(tmp_path / "saved")])
+    first = json.loads((tmp_path / "saved.json").read_text())
+    assert [r["adapter_dir"] for r in first["seeds"]] == [str(saved / "seed0"), str(saved / "seed1")]
+    # stored before warmup_iterations existed, without adapter_dir: the --save-adapters folder is looked in
+    del first["grpo"]["warmup_iterations"]
+    for run in first["seeds"]:
+        del run["adapter_dir"]
+    (tmp_path / "saved.json").write_text(json.dumps(first))
+    trained: list[int] = []
+    real_curve = module.learning_curve
+    monkeypatch.setattr(module, "learning_curve", lambda *a, **k: (trained.append(k["seed"]), real_curve(*a, **k))[1])
+    result = module.main([*common, *test, "--seeds", "0,1", "--out", str(tmp_path / "saved"), "--save-adapters", str(saved)])
+    assert trained == []  # both seeds came from the file, their adapters from the folder
+    stored = json.loads((tmp_path / "saved.json").read_text())
+    assert [r["points"] for r in stored["seeds"]] == [r["points"] for r in first["seeds"]]
+    t = stored["target_test"]
+    assert set(t["per_seed"]) == {"0", "1"} and t == json.loads(json.dumps(result["target_test"]))
+    assert sum("base" in r["target_test"] for r in stored["seeds"]) == 1  # the base plays once
+    assert [len(row) for row in t["outcomes"]["adapter"]] == [t["n_tasks"]] * 2

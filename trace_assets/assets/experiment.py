@@ -71,7 +71,7 @@ EXPERIMENT_PER_SEED = ("experiment_baselines", "experiment_eval", "experiment_re
 EXPERIMENT_PER_CAPABILITY_SEED = ("experiment_env", "experiment_adapter")
 EXPERIMENT_SELECTION = AssetSelection.groups(GROUP).upstream()
 """What ``make experiment`` materializes (``orchestrate.run_stale``): the experiment and everything it reads."""
-REPORT_VERSION = "experiment-report-v6"  # v5: what it cost (step durations, the machine); v6: the target's checks
+REPORT_VERSION = "experiment-report-v7"  # v5: what it cost (step durations, the machine); v6: the target's checks; v7: every materialization's cost
 
 
 def registry_name(seed: int, system: str) -> str:

@@ -86,6 +86,11 @@ class GRPOConfig:
     task, for at most this many rounds per iteration. A round plays K episodes on as many fresh tasks
     as groups still tie (seeds from ``seed_offset + grpo.RESAMPLE_OFFSET``); an informative
     replacement takes the tied group's place in the batch. 0: train the G groups as sampled."""
+    warmup_iterations: int = 0
+    """Linear learning-rate warmup: iteration ``i`` (1-based) steps at ``learning_rate * min(1, i /
+    (warmup_iterations + 1))``, so the first ``warmup_iterations`` iterations step below the full
+    rate (:meth:`learning_rate_at`). Adam's first steps move every adapter entry by about the
+    learning rate whatever its gradient's size. 0: the full rate from the first step."""
     checkpoint_every: int = 1
     keep_checkpoints: int = 2
     seed: int = 0
@@ -101,8 +106,12 @@ class GRPOConfig:
             raise ValueError("epsilon must lie in [0, 1)")
         if self.hint_is_cap <= 0 or self.onpolicy_max_abs < 0:
             raise ValueError("hint_is_cap must be > 0 and onpolicy_max_abs >= 0")
-        if self.resample_rounds < 0:
-            raise ValueError("resample_rounds must be >= 0")
+        if self.resample_rounds < 0 or self.warmup_iterations < 0:
+            raise ValueError("resample_rounds and warmup_iterations must be >= 0")
+
+    def learning_rate_at(self, iteration: int) -> float:
+        """The learning rate of iteration ``iteration`` (1-based): :attr:`warmup_iterations`' ramp."""
+        return self.learning_rate * min(1.0, iteration / (self.warmup_iterations + 1))
 
     def rollout_config(self, iteration: int, resample_round: int = 0) -> RolloutConfig:
         """Sampling of iteration ``iteration`` (1-based); round ``r > 0`` is its ``r``-th re-sampling
@@ -119,7 +128,7 @@ class GRPOConfig:
     changes at most which random draws a sample gets, not its distribution. The guard's bound only
     decides whether a run stops, never what it computes."""
 
-    LATER_FIELDS: ClassVar[dict[str, Any]] = {"resample_rounds": 0}
+    LATER_FIELDS: ClassVar[dict[str, Any]] = {"resample_rounds": 0, "warmup_iterations": 0}
     """Recipe fields added after adapters were stored, with the value that reproduces those runs:
     at that value a field stays out of the identity, so the stored adapters stay current."""
 

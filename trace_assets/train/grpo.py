@@ -731,6 +731,8 @@ class GRPOTrainer:
             if not math.isfinite(norm):
                 raise NonFiniteLossError(f"non-finite gradient norm {norm}", iteration=iteration, task_id=None,
                                          checkpoint=self.latest_checkpoint())
+            for group in self.optimizer.param_groups:  # from the iteration alone: a resumed run steps alike
+                group["lr"] = cfg.learning_rate_at(iteration)
             self.optimizer.step()
             losses.append(step_loss)
             clips.append(clipped / max(counted, 1))

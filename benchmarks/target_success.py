@@ -16,7 +16,18 @@ split is what the pipeline never does.
         --agent data/models/base_agent/<key> --adapter <saved LoRA adapter folder> --families cancel_pending
 
 ``--adapter`` plays the agent with a saved LoRA adapter applied the way ``lora_adapter`` evaluates
-one (``ModelResource.peft_backend``: its effective weights pushed into the base engine under vLLM).
+one (``ModelResource.peft_backend``: its effective weights pushed into the base engine under vLLM;
+``--vllm-dtype float32`` applies it exactly).
+
+``--spec`` plays a stored synthetic environment over ``--env`` instead (an EnvSpec, e.g. one under
+``<data>/envs/<capability>/``) on its own seeds, as ``lora_adapter`` evaluates an adapter there
+(greedy, GRPO's turn and token limits, the hint left out): ``--split validation`` on the train-side
+validation seeds that settings are chosen by, ``held-out`` on the seeds that only measure; ``--limit``
+seeds (default ``[train] eval_tasks``). The per-check figures are then the rubric's: what an adapter
+changed in behaviour where its success does not move.
+
+    .venv/bin/python benchmarks/target_success.py --env retail --spec data/envs/confirm_before_writing/<hash>.json \
+        --split validation --limit 48 --agent data/models/base_agent/<key> --adapter <dir> --vllm-dtype float32
 
 ``--decision-point CAPABILITY`` asks what the agent does where that capability decides, on the
 target's own tasks: the target's expert opens each episode up to the template synthesizer's
@@ -45,9 +56,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--env", default="tau2_airline", help="a registered target environment")
-    ap.add_argument("--split", default="train", choices=("demo", "train", "test"))
+    ap.add_argument("--split", default="train", choices=("demo", "train", "test", *SYNTHETIC_SPLITS),
+                    help="a split of the target; with --spec: validation or held-out seeds of the synthetic environment")
     ap.add_argument("--agent", required=True, help="the agent's model folder (e.g. data/models/base_agent/<key>)")
     ap.add_argument("--adapter", default=None, help="a saved LoRA adapter folder to apply to the agent")
+    ap.add_argument("--spec", default=None, help="play this stored EnvSpec (a synthetic environment over --env) instead")
+    ap.add_argument("--vllm-dtype", default=None, help="auto | float32 | bfloat16 (default: [generation] vllm_dtype)")
     ap.add_argument("--families", default=None, help="only these families, comma-separated")
     ap.add_argument("--transcripts", action="store_true", help="also write every episode's messages to the JSON")
     ap.add_argument("--decision-point", default=None, metavar="CAPABILITY",
@@ -61,6 +75,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-steps", type=int, default=None, help="assistant turns per episode (default [rollout])")
     ap.add_argument("--out", default=None, help="output path without extension (default <data>/reports/target_success_<env>_<split>)")
     return ap.parse_args(argv)
+
+
+SYNTHETIC_SPLITS = ("validation", "held-out")
 
 
 def task_list(env: Any, settings: Any, split: str) -> list[Any]:
@@ -95,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from trace_assets.agent.rollout import RolloutConfig, run_rollouts
     from trace_assets.definitions import build_resources
     from trace_assets.envs import get_environment
+    from trace_assets.envs.base import check_outcomes
     from trace_assets.settings import load_settings
 
     args = parse_args(argv)
@@ -104,9 +122,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     settings = load_settings(args.profile)
     agent = resolve_model(args.agent)
     pipeline = build_resources(settings)["models"]
-    models = ModelResource(**{**{k: getattr(pipeline, k) for k in ModelResource.model_fields}, "base_model": agent})
+    models = ModelResource(**{**{k: getattr(pipeline, k) for k in ModelResource.model_fields}, "base_model": agent,
+                              "vllm_dtype": args.vllm_dtype or pipeline.vllm_dtype})
     env = get_environment(args.env)
-    tasks = task_list(env, settings, args.split)
+    synthetic = None
+    if args.spec:
+        synthetic, tasks = synthetic_tasks(env, Path(args.spec), args.split, args.limit or settings.train.eval_tasks,
+                                           bool(args.decision_point))
+        env = synthetic
+    elif args.split in SYNTHETIC_SPLITS:
+        raise SystemExit(f"--split {args.split}: the seeds of a synthetic environment, given by --spec")
+    else:
+        tasks = task_list(env, settings, args.split)
     if args.families:
         wanted = parse_families(args.families, [t.family for t in tasks], f"the {args.split} split of {args.env}")
         tasks = [t for t in tasks if t.family in wanted]
@@ -119,6 +146,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     max_steps = 1 if args.decision_point else args.max_steps
     roll = settings.rollout if max_steps is None else replace(settings.rollout, max_steps=max_steps)
     config = RolloutConfig.from_limits(roll, temperature=roll.temperature, seed=roll.seed)
+    if synthetic is not None:  # as lora_adapter evaluates on it: greedy, GRPO's limits
+        from trace_assets.train.heldout import EvalConfig
+
+        limits = EvalConfig.from_limits(settings.train.grpo, n_tasks=len(tasks))
+        config = replace(limits, max_steps=args.max_steps or limits.max_steps).rollout_config()
+    label = f"E_{synthetic.capability} ({args.spec}) over {args.env}" if synthetic is not None else args.env
     tokenizer = load_tokenizer(agent)
     if args.adapter:
         from peft import PeftModel
@@ -129,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         backend = models.peft_backend(agent, PeftModel.from_pretrained(base, args.adapter, is_trainable=False), tokenizer)
     else:
         backend = models.backend_for(agent)
-    console.print(f"{args.env} / {args.split}: {len(tasks)} tasks, agent {agent}"
+    console.print(f"{label} / {args.split}: {len(tasks)} tasks, agent {agent}"
                   f"{f' + adapter {args.adapter}' if args.adapter else ''}, {models.backend_label(backend)}, "
                   f"<= {config.max_steps} turns, T {config.temperature}")
     started = time.perf_counter()
@@ -147,23 +180,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "task_id": r.task.task_id, "family": r.task.family, "reward": float(r.result.reward),
         "success": bool(r.result.success), "turns": r.steps, "generated_tokens": r.n_generated,
         "truncated": r.truncated, "stop_reason": r.stop_reason,
-        "error": r.error or r.result.info.get("error"), "checks": r.result.info.get("checks"),
+        "error": r.error or r.result.info.get("error"),
+        "checks": [{"id": k, "passed": v} for k, v in check_outcomes(r.result.info).items()],
         **({"first_turn": first_turn(r, env.writes)} if args.decision_point else {}),
         **({"messages": r.messages} if args.transcripts else {}),
     } for r in rollouts]
     by_family: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for e in episodes:
         by_family[e["family"]].append(e)
-    table = Table(title=f"{args.env} {args.split} split, greedy{', with ' + args.adapter if args.adapter else ''}")
-    for col in ("family", "tasks", "success", "mean reward", "mean turns", "errors", "failing one check alone"):
+    table = Table(title=f"{label} {args.split} split, greedy{', with ' + args.adapter if args.adapter else ''}")
+    for col in ("family", "tasks", "success", "mean reward", "mean turns", "errors", "failed checks", "failing one check alone"):
         table.add_column(col, justify="right" if col != "family" else "left")
 
     def row(name: str, es: list[dict[str, Any]]) -> list[str]:
         n = max(len(es), 1)
         alone = ", ".join(f"{check} {count}" for check, count in sorted(sole_failures(es).items()))
+        failed = ", ".join(f"{check} {count}" for check, count in check_failures(es).most_common())
         return [name, str(len(es)), f"{sum(e['success'] for e in es)}/{len(es)}",
                 f"{sum(e['reward'] for e in es) / n:.3f}", f"{sum(e['turns'] for e in es) / n:.1f}",
-                str(sum(bool(e["error"]) for e in es)), alone or "-"]
+                str(sum(bool(e["error"]) for e in es)), failed or "-", alone or "-"]
 
     if args.decision_point:  # one turn each: what it does is the figure, not the outcome
         where = f"before the expert's {'/'.join(env.start_at['before'])}" if args.before else "decision point"
@@ -182,7 +217,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     console.print(table)
     tokens = sum(e["generated_tokens"] for e in episodes)
     summary = {
-        "env": args.env, "split": args.split, "agent": agent, "adapter": args.adapter, "backend": models.backend_label(backend),
+        "env": args.env, "spec": args.spec, "split": args.split, "agent": agent, "adapter": args.adapter,
+        "backend": models.backend_label(backend), "check_failures": dict(check_failures(episodes).most_common()),
         "max_steps": config.max_steps, "tasks": len(episodes), "successes": sum(e["success"] for e in episodes),
         "success_rate": sum(e["success"] for e in episodes) / max(len(episodes), 1),
         "mean_reward": sum(e["reward"] for e in episodes) / max(len(episodes), 1),
@@ -196,7 +232,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     console.print(f"success {summary['successes']}/{summary['tasks']} ({100 * summary['success_rate']:.1f} %), "
                   f"mean reward {summary['mean_reward']:.3f}; {wall:.0f} s, {summary['episodes_per_s']} episodes/s, "
                   f"{summary['tokens_per_s']} generated tokens/s")
-    out = Path(args.out) if args.out else paths.sub("reports") / f"target_success_{args.env}_{args.split}"
+    out = Path(args.out) if args.out else paths.sub("reports") / (
+        f"{'synthetic_' + synthetic.capability if synthetic is not None else 'target'}_success_{args.env}_{args.split}")
     out.parent.mkdir(parents=True, exist_ok=True)
     paths.atomic_write(out.with_suffix(".json"), json.dumps({**summary, "episodes": episodes}, indent=1, default=str))
     console.print(f"wrote {out.with_suffix('.json')}")
@@ -274,6 +311,27 @@ def first_turn(rollout: Any, writes: frozenset[str]) -> str:
     if first.get("tool_calls"):
         return "write" if first["tool_calls"][0]["function"]["name"] in writes else "read"
     return "question" if rollout.result.info.get("confirmations", 0) > opened["confirmations"] else "reply"
+
+
+def synthetic_tasks(target: Any, spec: Path, split: str, n: int, decision_point: bool) -> tuple[Any, list[Any]]:
+    """``(the synthetic environment of the EnvSpec file spec over target, its n seeds of split)``,
+    hints left out, as ``lora_adapter`` evaluates adapters there."""
+    from trace_assets.synthesize import SyntheticEnv, load_spec
+    from trace_assets.synthesize.env import without_hint
+    from trace_assets.train.heldout import HELD_OUT_OFFSET, TRAIN_VALIDATION_OFFSET
+
+    if split not in SYNTHETIC_SPLITS:
+        raise SystemExit(f"--spec plays a synthetic environment's seeds: --split must be one of {list(SYNTHETIC_SPLITS)}")
+    if decision_point:
+        raise SystemExit("--decision-point opens the target's own tasks: leave out --spec")
+    env = SyntheticEnv(load_spec(spec, target), target)
+    offset = TRAIN_VALIDATION_OFFSET if split == "validation" else HELD_OUT_OFFSET
+    return env, [without_hint(t) for t in env.sample_tasks(n, offset=offset)]
+
+
+def check_failures(episodes: Sequence[dict[str, Any]]) -> Counter:
+    """Per check id, the episodes that failed it (``checks``: ``envs.base.check_outcomes``)."""
+    return Counter(c["id"] for e in episodes for c in e.get("checks") or [] if not c["passed"])
 
 
 def sole_failures(episodes: Sequence[dict[str, Any]]) -> Counter:

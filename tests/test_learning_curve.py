@@ -114,6 +114,48 @@ def test_target_success_counts_the_episodes_that_fail_one_check_alone():
     episodes = [episode("confirmed_writes"), episode("confirmed_writes"), episode("state_match", "confirmed_writes"),
                 episode(), episode("info_communicated"), {"checks": None}]
     assert sole_failures(episodes) == {"confirmed_writes": 2, "info_communicated": 1}
+    from benchmarks.target_success import check_failures
+
+    assert check_failures(episodes) == {"confirmed_writes": 3, "state_match": 1, "info_communicated": 1}
+
+
+def test_check_outcomes_are_the_rubric_s_in_a_synthetic_episode_and_the_target_s_otherwise():
+    from trace_assets.envs.base import check_outcomes
+
+    target = [{"id": "state_match", "passed": False, "detail": ""}, {"id": "info_communicated", "passed": True}]
+    rubric = [{"id": "asked", "applicable": True, "passed": True}, {"id": "acted", "applicable": True, "passed": False},
+              {"id": "answered", "applicable": False, "passed": False}]
+    assert check_outcomes({"checks": target}) == {"state_match": False, "info_communicated": True}
+    assert check_outcomes({"checks": target, "rubric": rubric}) == {"asked": True, "acted": False}
+    assert check_outcomes({}) == {}
+
+
+def test_target_success_plays_a_synthetic_environment_s_seeds_with_its_rubric(tmp_path, monkeypatch, tiny_model_path):
+    """``--spec``: the synthetic environment's validation seeds, greedy, per-check figures of its
+    rubric; the target's splits and the synthetic seeds are not mixed up."""
+    from benchmarks import target_success
+    from trace_assets.envs import get_environment
+    from trace_assets.synthesize import SyntheticEnv, template_spec
+    from trace_assets.train.heldout import TRAIN_VALIDATION_OFFSET
+
+    monkeypatch.setenv("TRACE_DATA_DIR", str(tmp_path / "data"))
+    spec = template_spec({"name": "confirm_before_writing", "description": "x"}, get_environment("retail"))
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    common = ["--env", "retail", "--agent", str(tiny_model_path), "--profile", "tiny", "--max-steps", "1"]
+    summary = target_success.main([*common, "--spec", str(tmp_path / "spec.json"), "--split", "validation", "--limit", "2",
+                                   "--out", str(tmp_path / "synthetic")])
+    data = json.loads((tmp_path / "synthetic.json").read_text())
+    assert summary["tasks"] == len(data["episodes"]) == 2 and data["spec"] == str(tmp_path / "spec.json")
+    env = SyntheticEnv(spec, get_environment("retail"))
+    assert [e["task_id"] for e in data["episodes"]] == [t.task_id for t in env.sample_tasks(2, offset=TRAIN_VALIDATION_OFFSET)]
+    rubric = {c["id"] for c in spec["rubric"]["checks"]}
+    for e in data["episodes"]:
+        assert e["checks"] and {c["id"] for c in e["checks"]} <= rubric
+    assert data["check_failures"] == {k: v for k, v in data["check_failures"].items() if k in rubric}
+    with pytest.raises(SystemExit, match="--split validation: the seeds of a synthetic environment"):
+        target_success.main([*common, "--split", "validation"])
+    with pytest.raises(SystemExit, match="--split must be one of"):
+        target_success.main([*common, "--spec", str(tmp_path / "spec.json"), "--split", "train"])
 
 
 def test_decision_point_opens_target_tasks_where_the_expert_decides_and_names_the_first_turn():

@@ -114,6 +114,18 @@ class Task:
         return json.dumps(self.to_dict(), sort_keys=True)
 
 
+def check_outcomes(info: dict[str, Any]) -> dict[str, bool]:
+    """``{check id: passed}`` of the score an episode got: a synthetic environment's rubric
+    (``info["rubric"]``, its applicable checks only) where the episode has one, else the target's
+    per-check breakdown (``info["checks"]``, as the retail target writes it); empty for an
+    environment that gives neither."""
+    rubric = info.get("rubric")
+    if isinstance(rubric, list):
+        return {str(c["id"]): bool(c["passed"]) for c in rubric
+                if isinstance(c, dict) and "id" in c and c.get("applicable", True)}
+    return {str(c["id"]): bool(c["passed"]) for c in info.get("checks") or [] if isinstance(c, dict) and "id" in c}
+
+
 @dataclass(frozen=True)
 class EpisodeResult:
     """The score of one conversation.

@@ -29,6 +29,7 @@ import polars as pl
 
 from trace_assets import paths
 from trace_assets.envs import get_environment
+from trace_assets.envs.base import check_outcomes
 from trace_assets.envs.splits import tasks_of
 from trace_assets.figures import to_markdown
 from trace_assets.hashing import stable_hash
@@ -158,12 +159,6 @@ def faithful_models(models, path: str, bank, folders: dict[str, str], tokenizer:
     raise AssertionError("unreachable")
 
 
-def check_outcomes(info: dict[str, Any]) -> dict[str, bool]:
-    """``{check id: passed}`` from an episode's per-check breakdown (``info["checks"]``, as the
-    retail target writes it); empty for an environment that gives none."""
-    return {str(c["id"]): bool(c["passed"]) for c in info.get("checks") or [] if isinstance(c, dict) and "id" in c}
-
-
 def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: dict, router: dict,
                      grpo_baseline: dict | None, adapters: dict[str, dict], log: Callable[[str], None],
                      more_baselines: dict[str, dict] | None = None) -> dict[str, Any]:
@@ -172,7 +167,7 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
     further trained adapters evaluated like the baseline, ``{system name: {"adapter_dir", "rollouts"}}``
     (the experiment's ablation). ``per_task`` in the result holds every system's reward per test
     task, in the order of ``task_ids``; ``checks`` the same systems' per-check outcomes per task
-    (:func:`check_outcomes`), but TRACE's soft composition."""
+    (``envs.base.check_outcomes``), but TRACE's soft composition."""
     from trace_assets.agent.rollout import logged_progress, run_rollouts
     from trace_assets.route.compose import AdapterBank, plan_groups
     from trace_assets.route.report import (

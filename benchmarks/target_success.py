@@ -127,9 +127,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     env = get_environment(args.env)
     synthetic = None
     if args.spec:
-        synthetic, tasks = synthetic_tasks(env, Path(args.spec), args.split, args.limit or settings.train.eval_tasks,
-                                           bool(args.decision_point))
-        env = synthetic
+        if args.decision_point:
+            raise SystemExit("--decision-point opens the target's own tasks: leave out --spec")
+        synthetic = env = synthetic_env(env, Path(args.spec))
+        tasks = synthetic_tasks(synthetic, args.split, args.limit or settings.train.eval_tasks)
     elif args.split in SYNTHETIC_SPLITS:
         raise SystemExit(f"--split {args.split}: the seeds of a synthetic environment, given by --spec")
     else:
@@ -143,14 +144,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         console.print(f"{len(opened)} of {len(tasks)} tasks reach the decision point {env.start_at}")
         tasks = opened
     tasks = tasks[: args.limit or None]
-    max_steps = 1 if args.decision_point else args.max_steps
-    roll = settings.rollout if max_steps is None else replace(settings.rollout, max_steps=max_steps)
-    config = RolloutConfig.from_limits(roll, temperature=roll.temperature, seed=roll.seed)
     if synthetic is not None:  # as lora_adapter evaluates on it: greedy, GRPO's limits
         from trace_assets.train.heldout import EvalConfig
 
         limits = EvalConfig.from_limits(settings.train.grpo, n_tasks=len(tasks))
         config = replace(limits, max_steps=args.max_steps or limits.max_steps).rollout_config()
+    else:
+        max_steps = 1 if args.decision_point else args.max_steps
+        roll = settings.rollout if max_steps is None else replace(settings.rollout, max_steps=max_steps)
+        config = RolloutConfig.from_limits(roll, temperature=roll.temperature, seed=roll.seed)
     label = f"E_{synthetic.capability} ({args.spec}) over {args.env}" if synthetic is not None else args.env
     tokenizer = load_tokenizer(agent)
     if args.adapter:
@@ -313,20 +315,23 @@ def first_turn(rollout: Any, writes: frozenset[str]) -> str:
     return "question" if rollout.result.info.get("confirmations", 0) > opened["confirmations"] else "reply"
 
 
-def synthetic_tasks(target: Any, spec: Path, split: str, n: int, decision_point: bool) -> tuple[Any, list[Any]]:
-    """``(the synthetic environment of the EnvSpec file spec over target, its n seeds of split)``,
-    hints left out, as ``lora_adapter`` evaluates adapters there."""
+def synthetic_env(target: Any, spec: Path) -> Any:
+    """The synthetic environment of the EnvSpec file ``spec`` over ``target``."""
     from trace_assets.synthesize import SyntheticEnv, load_spec
+
+    return SyntheticEnv(load_spec(spec, target), target)
+
+
+def synthetic_tasks(env: Any, split: str, n: int) -> list[Any]:
+    """``n`` seeds of ``split`` of the synthetic environment ``env``, hints left out, as
+    ``lora_adapter`` evaluates adapters there."""
     from trace_assets.synthesize.env import without_hint
     from trace_assets.train.heldout import HELD_OUT_OFFSET, TRAIN_VALIDATION_OFFSET
 
     if split not in SYNTHETIC_SPLITS:
         raise SystemExit(f"--spec plays a synthetic environment's seeds: --split must be one of {list(SYNTHETIC_SPLITS)}")
-    if decision_point:
-        raise SystemExit("--decision-point opens the target's own tasks: leave out --spec")
-    env = SyntheticEnv(load_spec(spec, target), target)
     offset = TRAIN_VALIDATION_OFFSET if split == "validation" else HELD_OUT_OFFSET
-    return env, [without_hint(t) for t in env.sample_tasks(n, offset=offset)]
+    return [without_hint(t) for t in env.sample_tasks(n, offset=offset)]
 
 
 def check_failures(episodes: Sequence[dict[str, Any]]) -> Counter:

@@ -307,24 +307,25 @@ def cost_text(cost: dict[str, Any]) -> str:
     ``trace_assets.reports.phase_rows``), as a sentence and a table. Where an asset was
     materialized more than once, a column adds every materialization's time: the latest alone may
     have reused what an earlier one computed."""
-    host, rows = cost["machine"], cost["phases"]
+    host = cost["machine"]
+    # rows from before the history was kept count their latest materializations only
+    rows = [{"materializations": r["timed"], "all_s": r["wall_s"], **r} for r in cost["phases"]]
     timed = [r for r in rows if r["timed"]]
     head = (f"Report written on {host['cpu']}, {host['cores']} cores, {host['memory_gb']} GB RAM, native bf16 (AVX-512 "
             f"BF16): {'yes' if host['avx512_bf16'] else 'no'}, at commit `{host['commit']}`; the steps ran where and when "
             "their runs did (a resumed experiment may span machines). Each asset's Dagster step durations over its "
             "partitions' latest materializations; steps run one at a time, so the sum is the experiment's compute time, "
             "without the seconds each step process takes to start.")
-    # rows from before the history was kept count their latest materializations only
-    redone = [r for r in timed if r.get("materializations", r["timed"]) > r["timed"]]
+    redone = [r for r in timed if r["materializations"] > r["timed"]]
     table = pl.DataFrame([{"asset": r["asset"], "partitions": r["partitions"], "wall time": wall_text(r["wall_s"]),
                            "per partition": wall_text(r["min_s"]) if r["partitions"] == 1
                            else f"{wall_text(r['min_s'])} – {wall_text(r['max_s'])}",
-                           **({"every materialization": f"{r.get('materializations', r['timed'])}: "
-                                                        f"{wall_text(r.get('all_s', r['wall_s']))}"} if redone else {})}
+                           **({"every materialization": f"{r['materializations']}: {wall_text(r['all_s'])}"}
+                              if redone else {})}
                           for r in timed]
                          + [{"asset": "**sum**", "partitions": sum(r["partitions"] for r in timed),
                              "wall time": f"**{wall_text(sum(r['wall_s'] for r in timed))}**", "per partition": "",
-                             **({"every materialization": f"**{wall_text(sum(r.get('all_s', r['wall_s']) for r in timed))}**"}
+                             **({"every materialization": f"**{wall_text(sum(r['all_s'] for r in timed))}**"}
                                 if redone else {})}])
     if redone:
         head += (f" Materialized more than once (a code change, or a partition re-run): {', '.join(r['asset'] for r in redone)}. "

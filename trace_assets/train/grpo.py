@@ -677,6 +677,8 @@ class GRPOTrainer:
         if not active or n_tokens == 0:
             return stats  # no signal: an optimizer step would only apply Adam's momentum
         self.model.train()
+        for group in self.optimizer.param_groups:  # from the iteration alone: a resumed run steps alike
+            group["lr"] = cfg.learning_rate_at(iteration)
         losses, clips, kls, norms = [], [], [], []
         for step in range(cfg.steps_per_iteration):
             self.optimizer.zero_grad(set_to_none=True)
@@ -731,8 +733,6 @@ class GRPOTrainer:
             if not math.isfinite(norm):
                 raise NonFiniteLossError(f"non-finite gradient norm {norm}", iteration=iteration, task_id=None,
                                          checkpoint=self.latest_checkpoint())
-            for group in self.optimizer.param_groups:  # from the iteration alone: a resumed run steps alike
-                group["lr"] = cfg.learning_rate_at(iteration)
             self.optimizer.step()
             losses.append(step_loss)
             clips.append(clipped / max(counted, 1))

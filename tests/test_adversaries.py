@@ -134,8 +134,10 @@ def test_asking_again_after_the_write_fails_confirm_before_writing():
 def test_asking_again_instead_of_acting_fails_confirm_before_writing_and_saying_noted_does_not():
     """What the v8 adapter learned where asking was paid and acting was not judged: "... Do you
     confirm?" again after every yes (the ask_without_acting adversary), which scored 1.0 on every
-    family. acted_on_answer fails it; the expert lacking execute_requested_action, which answers
-    the yes with "noted" and never writes, still passes (isolation: acting is another capability)."""
+    family. acted_on_answer fails it, and (v11) so does asked: asking twice earns nothing, as not
+    asking does, so a group's advantage never favours it. The expert lacking
+    execute_requested_action, which answers the yes with "noted" and never writes, still passes
+    (isolation: acting is another capability)."""
     from trace_assets.synthesize.template import CONFIRMING_FAMILIES
 
     env = SyntheticEnv(template_spec({"name": "confirm_before_writing", "description": "x"}, ENV), ENV)
@@ -147,9 +149,10 @@ def test_asking_again_instead_of_acting_fails_confirm_before_writing_and_saying_
     for task in first.values():
         messages, asker = demonstrate(env, task, policy=ADVERSARIES["ask_without_acting"])
         checks = {c["id"]: c for c in asker.info["rubric"]}
-        assert not asker.success and asker.reward <= GAMING_BOUND, task.task_id
+        assert not asker.success and asker.reward == 0.0, task.task_id
         assert not checks["acted_on_answer"]["passed"] and "instead of acting on it" in checks["acted_on_answer"]["detail"]
-        assert checks["asked"]["passed"] and "needs acted_on_answer" in checks["confirmed_writes"]["detail"]
+        assert "needs acted_on_answer" in checks["asked"]["detail"]  # it did ask first: the gate failed it
+        assert "needs acted_on_answer" in checks["confirmed_writes"]["detail"]
         noted = demonstrate(env, task, lacking="execute_requested_action")[1]
         assert noted.success and {c["id"]: c for c in noted.info["rubric"]}["acted_on_answer"]["passed"], task.task_id
 
@@ -188,7 +191,7 @@ def test_reporting_before_asking_fails_confirm_before_writing():
 
 
 def test_answered_episodes_open_after_the_yes_and_pay_only_acting_on_it():
-    """E_confirm_before_writing v10: a share of the tasks with a write open right after the user's
+    """E_confirm_before_writing (v10 on): a share of the tasks with a write open right after the user's
     yes (the "answered" start), where an adapter trained at lr 3e-4 asked again on the target. The
     write is due there: the expert succeeds; asking again, saying "noted", refusing and ending at
     once earn nothing, and the breakdown says why."""

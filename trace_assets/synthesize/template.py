@@ -45,7 +45,7 @@ from trace_assets.envs.base import Environment, target_hook
 from trace_assets.envs.splits import SYNTHETIC_SEED_BASE
 from trace_assets.synthesize.spec import DEFAULT_DIFFICULTY, SCHEMA_VERSION, fixed_knobs, tool_groups
 
-TEMPLATE_VERSION = "v10"
+TEMPLATE_VERSION = "v11"
 """Bump when the plans below change: part of the synthesizer's code version."""
 SEED_RANGE = [SYNTHETIC_SEED_BASE, SYNTHETIC_SEED_BASE + 1_000_000]
 FORMAT_ERRORS = ["malformed tool call", "unknown tool", "missing argument", "unexpected argument", "must be"]
@@ -128,6 +128,12 @@ _PLANS: dict[str, Plan] = {
     # past the decision faster than acted_on_answer pulled it back. There, a question is asked twice
     # and the write is due (acted), so acting is trained from the first iteration; refusing, "noted"
     # and asking again earn nothing.
+    # Asking pays only with the answer acted on (v11: asked requires acted_on_answer). Before, asking
+    # and then asking again after the yes earned 2/9 and not asking 0, so every group where one
+    # sample asked twice and another not at all pushed "ask" on the turn after the yes too: the
+    # three v10 adapters (lr 1e-3) asked first in 15-20 of the 25 main-start episodes of 48
+    # train-side validation seeds (base 2), and wrote in 0-1 of the 11 answered ones (base 9). Now
+    # asking twice earns what not asking does; only asking once and acting on the answer is paid.
     "confirm_before_writing": Plan(
         {"cancel_pending": 1, "cancel_declined": 2, "modify_address": 1, "return_delivered": 1, "exchange_delivered": 1,
          "update_address_everywhere": 1, "cancel_and_return": 1, "order_status": 2},
@@ -138,7 +144,7 @@ _PLANS: dict[str, Plan] = {
         [_check("confirmed_writes", "no_policy_violation", 3, rules=["confirm_before_write"],
                 requires=["asked", "answered", "acted_on_answer", "acted"]),
          _check("asked", "asked_confirmation", 2, first_reply=True,
-                when={"families": list(CONFIRMING_FAMILIES), "start": ["main"]}),
+                when={"families": list(CONFIRMING_FAMILIES), "start": ["main"]}, requires=["acted_on_answer"]),
          _check("done_asking", "no_confirmation_question", 2, after_write=True, when={"gold_calls": "@write"},
                 requires=["asked", "acted_on_answer", "acted"]),
          _check("acted_on_answer", "no_confirmation_question", 2, repeated=True,

@@ -55,7 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--env", default="tau2_airline", help="a registered target environment")
+    ap.add_argument("--env", default=None,
+                    help="a registered target environment (default: the --spec's target.env, else the settings' target)")
     ap.add_argument("--split", default="train", choices=("demo", "train", "test", *SYNTHETIC_SPLITS),
                     help="a split of the target; with --spec: validation or held-out seeds of the synthetic environment")
     ap.add_argument("--agent", required=True, help="the agent's model folder (e.g. data/models/base_agent/<key>)")
@@ -88,6 +89,16 @@ def task_list(env: Any, settings: Any, split: str) -> list[Any]:
     if official is not None:
         return list(official()[split])
     return configured_splits(env, settings.tasks)[split]
+
+
+def spec_target(path: Path) -> str | None:
+    """The target environment a stored EnvSpec names (``target.env``), or None where it names none
+    readably (loading the spec then says what is wrong with it)."""
+    try:
+        target = json.loads(path.read_text())["target"]["env"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return target if isinstance(target, str) else None
 
 
 def parse_families(text: str, known: Sequence[str], where: str) -> list[str]:
@@ -124,6 +135,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     pipeline = build_resources(settings)["models"]
     models = ModelResource(**{**{k: getattr(pipeline, k) for k in ModelResource.model_fields}, "base_model": agent,
                               "vllm_dtype": args.vllm_dtype or pipeline.vllm_dtype})
+    args.env = args.env or (spec_target(Path(args.spec)) if args.spec else None) or settings.tasks.env
     env = get_environment(args.env)
     synthetic = None
     if args.spec:

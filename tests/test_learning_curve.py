@@ -142,9 +142,11 @@ def test_target_success_plays_a_synthetic_environment_s_seeds_with_its_rubric(tm
     spec = template_spec({"name": "confirm_before_writing", "description": "x"}, get_environment("retail"))
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     common = ["--env", "retail", "--agent", str(tiny_model_path), "--profile", "tiny", "--max-steps", "1"]
-    summary = target_success.main([*common, "--spec", str(tmp_path / "spec.json"), "--split", "validation", "--limit", "2",
-                                   "--out", str(tmp_path / "synthetic")])
+    # no --env: the spec names its target
+    summary = target_success.main([*common[2:], "--spec", str(tmp_path / "spec.json"), "--split", "validation",
+                                   "--limit", "2", "--out", str(tmp_path / "synthetic")])
     data = json.loads((tmp_path / "synthetic.json").read_text())
+    assert data["env"] == "retail"
     assert summary["tasks"] == len(data["episodes"]) == 2 and data["spec"] == str(tmp_path / "spec.json")
     env = SyntheticEnv(spec, get_environment("retail"))
     assert [e["task_id"] for e in data["episodes"]] == [t.task_id for t in env.sample_tasks(2, offset=TRAIN_VALIDATION_OFFSET)]

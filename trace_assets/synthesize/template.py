@@ -134,6 +134,9 @@ _PLANS: dict[str, Plan] = {
     # three v10 adapters (lr 1e-3) asked first in 15-20 of the 25 main-start episodes of 48
     # train-side validation seeds (base 2), and wrote in 0-1 of the 11 answered ones (base 9). Now
     # asking twice earns what not asking does; only asking once and acting on the answer is paid.
+    # It closes that gaming, but it did not make the adapters learn (3 seeds, 48 held-out seeds:
+    # mean gain +0.028, v10 +0.014): they still stop calling tools on the target
+    # (docs/transfer/train_target_v11_*_transcripts.json).
     "confirm_before_writing": Plan(
         {"cancel_pending": 1, "cancel_declined": 2, "modify_address": 1, "return_delivered": 1, "exchange_delivered": 1,
          "update_address_everywhere": 1, "cancel_and_return": 1, "order_status": 2},

@@ -147,6 +147,11 @@ def test_target_success_plays_a_synthetic_environment_s_seeds_with_its_rubric(tm
                                    "--limit", "2", "--out", str(tmp_path / "synthetic")])
     data = json.loads((tmp_path / "synthetic.json").read_text())
     assert data["env"] == "retail"
+    # the profile's target is retail too: what decides is the spec's own target.env
+    (tmp_path / "airline.json").write_text(json.dumps({**spec, "target": {**spec["target"], "env": "tau2_airline"}}))
+    (tmp_path / "broken.json").write_text("{not json")
+    assert target_success.spec_target(tmp_path / "airline.json") == "tau2_airline"
+    assert target_success.spec_target(tmp_path / "broken.json") is None  # load_spec then names what is wrong
     assert summary["tasks"] == len(data["episodes"]) == 2 and data["spec"] == str(tmp_path / "spec.json")
     env = SyntheticEnv(spec, get_environment("retail"))
     assert [e["task_id"] for e in data["episodes"]] == [t.task_id for t in env.sample_tasks(2, offset=TRAIN_VALIDATION_OFFSET)]

@@ -137,7 +137,10 @@ def test_asking_again_instead_of_acting_fails_confirm_before_writing_and_saying_
     family. acted_on_answer fails it, and (v11) so does asked: asking twice earns nothing, as not
     asking does, so a group's advantage never favours it. The expert lacking
     execute_requested_action, which answers the yes with "noted" and never writes, still passes
-    (isolation: acting is another capability)."""
+    (isolation: acting is another capability), but (v12) earns less than the expert: the write after
+    the yes is paid as shaping, so a group never favours asking and then only saying it is done,
+    what the v11 adapters learned. A write without asking earns less still, and not asking and
+    not writing earns nothing."""
     from trace_assets.synthesize.template import CONFIRMING_FAMILIES
 
     env = SyntheticEnv(template_spec({"name": "confirm_before_writing", "description": "x"}, ENV), ENV)
@@ -154,7 +157,13 @@ def test_asking_again_instead_of_acting_fails_confirm_before_writing_and_saying_
         assert "needs acted_on_answer" in checks["asked"]["detail"]  # it did ask first: the gate failed it
         assert "needs acted_on_answer" in checks["confirmed_writes"]["detail"]
         noted = demonstrate(env, task, lacking="execute_requested_action")[1]
-        assert noted.success and {c["id"]: c for c in noted.info["rubric"]}["acted_on_answer"]["passed"], task.task_id
+        noted_checks = {c["id"]: c for c in noted.info["rubric"]}
+        assert noted.success and noted_checks["acted_on_answer"]["passed"], task.task_id
+        assert not noted_checks["wrote"]["passed"] and noted_checks["wrote"]["shaping"]
+        expert = demonstrate(env, task)[1]
+        unasked = demonstrate(env, task, policy=ADVERSARIES["write_without_asking"])[1]
+        assert expert.reward == 1.0 > noted.reward > unasked.reward > asker.reward == 0.0, task.task_id
+        assert not unasked.success
 
 
 def test_reporting_before_asking_fails_confirm_before_writing():

@@ -72,7 +72,10 @@ def test_synthetic_env_through_the_rollout_runner(tokenizer, confirm):
         assert r.result.reward == 1.0 and r.result.success
         assert RULES["confirm_before_writing"].judge(r.result.info)[0] == "PRESENT"
     else:
-        assert r.result.reward == 0.0 and not r.result.success
+        # Only the write itself is paid (shaping: it keeps the agent writing, and is never success).
+        paid = [c for c in r.result.info["rubric"] if c["applicable"] and c["passed"]]
+        assert [(c["id"], c["shaping"]) for c in paid] == [("wrote", True)] and not r.result.success
+        assert 0 < r.result.reward < 0.25
         assert RULES["confirm_before_writing"].judge(r.result.info)[0] == "LACKING"
     assert task.scenario["user_id"] in json.dumps(r.messages)
 

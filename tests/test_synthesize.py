@@ -372,6 +372,27 @@ def test_requires_gates_checks_that_pass_by_absence():
         "rubric.checks[0] (a): requires itself", "rubric.checks[0] (a): requires 'nope', which is not the id of a check of this rubric"]
 
 
+def test_a_shaping_check_moves_the_reward_and_never_success():
+    """``shaping``: a check that counts in the reward but not in success (it keeps training from
+    unlearning what another capability decides); a rubric of shaping checks only is rejected."""
+    task = _task()
+    spec = rubric_spec([{"id": "confirm", "kind": "no_policy_violation", "weight": 2, "rules": ["confirm_before_write"]},
+                        {"id": "state", "kind": "final_state_match", "weight": 1, "shaping": True}])
+    assert problems(spec) == []
+    _, idle = play(spec, [])  # no write: the decision holds, the shaping check fails
+    assert idle.success and idle.reward == pytest.approx(2 / 3)
+    assert checks_by_id(idle)["state"] == {**checks_by_id(idle)["state"], "shaping": True, "passed": False}
+    _, done = play(spec, gold_steps(task))
+    assert done.success and done.reward == 1.0
+    _, unasked = play(spec, gold_steps(task, confirm=False))  # the shaping check pays, success stays the decision's
+    assert not unasked.success and unasked.reward == pytest.approx(1 / 3)
+    only = rubric_spec([{"id": "state", "kind": "final_state_match", "weight": 1, "shaping": True}])
+    assert "every rubric check is shaping: success would judge nothing" in problems(only)
+    v1 = rubric_spec([{"id": "a", "kind": "final_state_match", "weight": 1},
+                      {"id": "b", "kind": "final_state_match", "weight": 1, "shaping": True}], schema_version="1")
+    assert "rubric.checks[1]: 'shaping' needs schema_version '2' (this spec says '1')" in problems(v1)
+
+
 def test_no_tool_error_and_tools_outside_the_subset():
     task = _task()
     tools = ["find_user_id_by_email", "find_user_id_by_name_zip", "get_order_details", "return_delivered_order_items"]

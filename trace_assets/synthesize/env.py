@@ -17,8 +17,9 @@ Contract (base.Environment / base.Episode, exactly):
   episode (tools outside the spec's subset answer ``"Error: unknown tool ..."``) and scores it with the
   rubric. ``result().info`` keeps every key of the target's info (so the Step-1 heuristic analyst can
   label synthetic rollouts) and adds ``rubric``, ``rubric_reward``, ``target_reward``,
-  ``target_success``, ``capability``, ``hinted`` and ``spec_hash``. ``success = reward >=
-  rubric.success_threshold`` (default 1.0).
+  ``target_success``, ``capability``, ``hinted`` and ``spec_hash``. ``success = decision >=
+  rubric.success_threshold`` (default 1.0), where the decision is the reward without the rubric's
+  shaping checks.
 * Decision points (``spec.start``): ``start(task)`` plays the target's scripted expert (its
   ``next_move`` hook, deterministic from the task) in the episode up to, not including,
   its first move of a kind in ``start.before`` (and of ``start.intent`` / ``start.tool`` when given).
@@ -260,7 +261,8 @@ class SyntheticEpisode:
                                "prefix_calls": calls, "agent_actions": self._agent_actions, "finished": self.finished},
         })
         threshold = float(self.env.spec["rubric"].get("success_threshold", 1.0))
-        return EpisodeResult(reward=score.reward, success=score.reward >= threshold - 1e-9, info=info)
+        decided = score.reward if score.decision is None else score.decision
+        return EpisodeResult(reward=score.reward, success=decided >= threshold - 1e-9, info=info)
 
 
 class SyntheticEnv:

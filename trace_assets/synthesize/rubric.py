@@ -8,7 +8,8 @@ Contract:
   one-line ``detail``.
 * ``reward = sum(weight * score) / sum(weight)`` over the applicable checks, in [0, 1]. When no
   check applies the reward is the ``fallback`` (the target's own reward), so a rubric never
-  invents credit.
+  invents credit. ``decision`` is the same sum over the applicable checks that are not
+  ``shaping``: what success is judged on (a shaping check moves the reward, never success).
 * ``requires``: a check that names other checks scores 0 (detail "needs ...") unless each of them
   passes or does not apply, after its own gates (a check failed by a gate fails the checks that
   require it; checks that require each other pass together or not at all). A check that passes by
@@ -83,6 +84,7 @@ class CheckResult:
     score: float
     passed: bool
     detail: str
+    shaping: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,6 +94,9 @@ class CheckResult:
 class RubricScore:
     reward: float
     checks: list[CheckResult] = field(default_factory=list)
+    decision: float | None = None
+    """The reward over the applicable checks that are not shaping (success is judged on it);
+    None: the same as ``reward``."""
 
     def to_dicts(self) -> list[dict[str, Any]]:
         return [c.to_dict() for c in self.checks]
@@ -246,12 +251,12 @@ def evaluate(rubric: dict[str, Any], trace: Trace, task: Task, groups: Groups, *
     results = []
     for i, check in enumerate(rubric["checks"]):
         cid = check.get("id") or f"{i}_{check['kind']}"
-        weight = float(check["weight"])
+        weight, shaping = float(check["weight"]), bool(check.get("shaping"))
         if not applies(check, task, groups):
-            results.append(CheckResult(cid, check["kind"], weight, False, 0.0, False, "not applicable to this task"))
+            results.append(CheckResult(cid, check["kind"], weight, False, 0.0, False, "not applicable to this task", shaping))
             continue
         score, detail = _score(check, trace, task, groups)
-        results.append(CheckResult(cid, check["kind"], weight, True, score, score >= 1.0, detail))
+        results.append(CheckResult(cid, check["kind"], weight, True, score, score >= 1.0, detail, shaping))
     index = {r.id: i for i, r in enumerate(results)}
     gated = True
     while gated:  # to the fixed point: each round only turns scores to 0
@@ -262,6 +267,10 @@ def evaluate(rubric: dict[str, Any], trace: Trace, task: Task, groups: Groups, *
                 results[i] = replace(results[i], score=0.0, passed=False,
                                      detail=f"needs {', '.join(unmet)} to pass (alone: {results[i].detail})")
                 gated = True
-    total = sum(r.weight for r in results if r.applicable)
-    reward = sum(r.weight * r.score for r in results if r.applicable) / total if total else fallback
-    return RubricScore(reward=min(1.0, max(0.0, reward)), checks=results)
+    def weighted(rows: list[CheckResult]) -> float:
+        total = sum(r.weight for r in rows)
+        return min(1.0, max(0.0, sum(r.weight * r.score for r in rows) / total if total else fallback))
+
+    applicable = [r for r in results if r.applicable]
+    return RubricScore(reward=weighted(applicable), checks=results,
+                       decision=weighted([r for r in applicable if not r.shaping]))

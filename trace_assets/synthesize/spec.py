@@ -10,7 +10,7 @@ Contract:
   reports what the schema cannot see: tools unknown to the target, embedded tool schemas that differ
   from the target's, a policy that is not inherited, seeds overlapping ``[0, SYNTHETIC_SEED_BASE)``,
   unknown families, rubric selectors naming unknown tools or tools outside the spec's subset, a
-  ``requires`` naming itself or no check of the rubric.
+  ``requires`` naming itself or no check of the rubric, a rubric whose every check is ``shaping``.
 * :func:`validate_spec` = both; it raises :class:`SpecError` (with every problem) or returns a
   deep copy of the spec. :func:`spec_hash` is the data version of a spec: the hash of its
   canonical JSON.
@@ -149,8 +149,9 @@ def fidelity(spec: dict[str, Any], target_env: Environment) -> list[str]:
     for i, check in enumerate(spec.get("rubric", {}).get("checks", [])):
         if version == "1" and check.get("kind") in CHECK_KINDS and check.get("kind") not in V1_CHECK_KINDS:
             problems.append(f"rubric.checks[{i}]: check kind {check['kind']!r} needs schema_version '2' (this spec says '1')")
-        if version == "1" and check.get("requires"):
-            problems.append(f"rubric.checks[{i}]: 'requires' needs schema_version '2' (this spec says '1')")
+        for key in ("requires", "shaping"):
+            if version == "1" and check.get(key):
+                problems.append(f"rubric.checks[{i}]: {key!r} needs schema_version '2' (this spec says '1')")
     starts = spec.get("start") or {}
     variants = starts.get("variants") or []
     for where, block in [("start", starts)] + [(f"start.variants[{i}]", v) for i, v in enumerate(variants)]:
@@ -194,6 +195,8 @@ def fidelity(spec: dict[str, Any], target_env: Environment) -> list[str]:
     checks = spec.get("rubric", {}).get("checks", [])
     if not checks:
         problems.append("the rubric has no checks")
+    elif all(c.get("shaping") for c in checks):
+        problems.append("every rubric check is shaping: success would judge nothing")
     ids = [c.get("id") for c in checks if c.get("id")]
     if len(set(ids)) != len(ids):
         problems.append("rubric check ids are not unique")

@@ -45,7 +45,7 @@ from trace_assets.envs.base import Environment, target_hook
 from trace_assets.envs.splits import SYNTHETIC_SEED_BASE
 from trace_assets.synthesize.spec import DEFAULT_DIFFICULTY, SCHEMA_VERSION, fixed_knobs, tool_groups
 
-TEMPLATE_VERSION = "v11"
+TEMPLATE_VERSION = "v12"
 """Bump when the plans below change: part of the synthesizer's code version."""
 SEED_RANGE = [SYNTHETIC_SEED_BASE, SYNTHETIC_SEED_BASE + 1_000_000]
 FORMAT_ERRORS = ["malformed tool call", "unknown tool", "missing argument", "unexpected argument", "must be"]
@@ -137,6 +137,14 @@ _PLANS: dict[str, Plan] = {
     # It closes that gaming, but it did not make the adapters learn (3 seeds, 48 held-out seeds:
     # mean gain +0.028, v10 +0.014): they still stop calling tools on the target
     # (docs/transfer/train_target_v11_*_transcripts.json).
+    # Why they stop (v12): on a main start nothing paid the write itself, so asking and then only
+    # saying "done" earned 1.0, and a direct write (the base's move) earned what silence did, 0,
+    # so every group taught "no tool call". On 48 train-side validation seeds the v11 seed-0
+    # adapter succeeded on 7 of the 15 main-start tasks with a write and wrote on none of them
+    # (docs/transfer/validation_v11_lr1e-3_seed0_transcripts.json). "wrote" now pays that write as
+    # shaping: in the reward (ask and write 1.0 > ask only 0.82 > write only 0.18 > neither 0), not
+    # in success, since making the write is execute_requested_action's decision and the expert
+    # lacking it must still pass here (isolation).
     "confirm_before_writing": Plan(
         {"cancel_pending": 1, "cancel_declined": 2, "modify_address": 1, "return_delivered": 1, "exchange_delivered": 1,
          "update_address_everywhere": 1, "cancel_and_return": 1, "order_status": 2},
@@ -153,6 +161,8 @@ _PLANS: dict[str, Plan] = {
          _check("acted_on_answer", "no_confirmation_question", 2, repeated=True,
                 when={"families": list(CONFIRMING_FAMILIES)}, requires=["asked", "acted"]),
          _check("acted", "required_call", 3, tool="@write", when={"start": ["answered"]}),
+         _check("wrote", "required_call", 2, tool="@write", shaping=True,
+                when={"gold_calls": "@write", "start": ["main"]}),
          _check("respected_no", "forbidden_call", 2, tool="@write", when={"gold_avoids": "@write"},
                 requires=["asked", "answered"]),
          _check("nothing_to_confirm", "no_confirmation_question", 2, when={"families": ["order_status"]},

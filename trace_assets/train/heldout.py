@@ -64,6 +64,9 @@ class EvalReport:
     success_rate: float
     rewards: list[float]
     successes: list[bool] = field(default_factory=list)
+    checks: dict[str, list[int]] = field(default_factory=dict)
+    """Rubric check id -> [episodes it passed, episodes it applied to] (synthetic environments):
+    what a success rate hides, e.g. whether the agent still makes the write."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,8 +76,15 @@ def _report(policy: str, rollouts: list[Rollout]) -> EvalReport:
     rewards = [float(r.result.reward) for r in rollouts]
     n = len(rollouts)
     successes = [bool(r.result.success) for r in rollouts]
+    checks: dict[str, list[int]] = {}
+    for rollout in rollouts:
+        for check in rollout.result.info.get("rubric") or []:
+            if check.get("applicable"):
+                row = checks.setdefault(check["id"], [0, 0])
+                row[0] += bool(check.get("passed"))
+                row[1] += 1
     return EvalReport(policy=policy, n=n, mean_reward=sum(rewards) / max(n, 1),
-                      success_rate=sum(successes) / max(n, 1), rewards=rewards, successes=successes)
+                      success_rate=sum(successes) / max(n, 1), rewards=rewards, successes=successes, checks=checks)
 
 
 def evaluate_policy(model: Any, tokenizer: Any, env: Environment, config: EvalConfig, *, policy: str,

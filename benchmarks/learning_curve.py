@@ -226,7 +226,7 @@ def learning_curve(agent: str, tokenizer: Any, env: Any, config: Any, eval_confi
                 "generated_tokens": trainer.generated_tokens, "sequence_tokens": trainer.sequence_tokens,
                 "train_wall_s": round(train_s, 2), "success": report.success_rate,
                 "mean_reward": round(report.mean_reward, 4), "eval_s": round(time.perf_counter() - start, 2),
-                "successes": report.successes, "checks": report.checks,
+                "successes": report.successes, "checks": report.check_counts(),
             })
             log(f"seed {seed} iteration {trainer.iteration}: held {eval_config.n_tasks} seeds, success "
                 f"{report.success_rate:.3f}, reward {report.mean_reward:.3f} ({trainer.rollouts} rollouts, {train_s:.0f} s)")

@@ -70,6 +70,33 @@ def test_promotion_needs_to_beat_the_base_and_the_null_beyond_noise() -> None:
     assert not promotion({"base": _report("base", base), "adapter": _report("adapter", strong)})["promoted"]  # no null
 
 
+def test_promotion_refuses_an_adapter_that_stopped_passing_a_shaping_check() -> None:
+    """What the v11 E_confirm_before_writing adapters did: success rose because they asked and then
+    never wrote. The write is a shaping check there (reward, not success); the gate compares its
+    passes with the base's, paired, and refuses a significant loss."""
+    from trace_assets.train.heldout import _report as report_of
+
+    def rollouts(successes, wrote):
+        def info(ok, w):
+            return {"rubric": [{"id": "asked", "applicable": True, "passed": ok, "shaping": False},
+                               {"id": "wrote", "applicable": w is not None, "passed": bool(w), "shaping": True}]}
+        return [SimpleNamespace(result=SimpleNamespace(reward=float(ok), success=ok, info=info(ok, w)))
+                for ok, w in zip(successes, wrote)]
+
+    base_ok, strong = [False] * 8 + [True] * 8, [True] * 16
+    base = report_of("base", rollouts(base_ok, [True] * 12 + [None] * 4))
+    assert base.shaping == ["wrote"] and base.check_counts() == {"asked": [8, 16], "wrote": [12, 12]}
+    null = report_of("null", rollouts(base_ok, [True] * 12 + [None] * 4))
+    silent = report_of("adapter", rollouts(strong, [False] * 12 + [None] * 4))
+    gate = promotion({"base": base, "adapter": silent, "null": null})
+    assert gate["vs_base"]["p_greater"] < 0.05 and gate["vs_null"]["p_greater"] < 0.05  # success alone would pass
+    assert not gate["promoted"] and gate["guards"]["wrote"] == {"applicable": 12, "base": 12, "adapter": 0,
+                                                                "p_greater": pytest.approx(1 / 4096)}
+    assert "it stopped passing wrote" in gate["reason"]
+    kept = report_of("adapter", rollouts(strong, [True] * 11 + [False] + [None] * 4))  # one loss: noise
+    assert promotion({"base": base, "adapter": kept, "null": null})["promoted"]
+
+
 def test_agent_identity_tells_dtype_backend_adapter_and_warm_start_apart() -> None:
     vllm = lambda dtype: SimpleNamespace(name="vllm", engine=SimpleNamespace(options=SimpleNamespace(dtype=dtype)))
     hf = SimpleNamespace(name="transformers", bf16=False)

@@ -11,7 +11,9 @@ Paper settings: T = 0, at most 50 interaction steps, 32k context (``EvalConfig.p
 
 :func:`promotion` is the gate in front of the MLflow alias ``champion``: an adapter is promoted only
 when its held-out success beats both the base and its null by more than the noise, i.e. the exact
-one-sided sign test on the tasks where they disagree gives ``p < alpha`` against each.
+one-sided sign test on the tasks where they disagree gives ``p < alpha`` against each, and when it
+passes none of the rubric's shaping checks less often than the base does (the same test the other
+way: :func:`shaping_guards`).
 """
 
 from __future__ import annotations
@@ -64,9 +66,15 @@ class EvalReport:
     success_rate: float
     rewards: list[float]
     successes: list[bool] = field(default_factory=list)
-    checks: dict[str, list[int]] = field(default_factory=dict)
-    """Rubric check id -> [episodes it passed, episodes it applied to] (synthetic environments):
-    what a success rate hides, e.g. whether the agent still makes the write."""
+    checks: dict[str, list[bool | None]] = field(default_factory=dict)
+    """Rubric check id -> per task: passed, or None where it did not apply (synthetic
+    environments): what a success rate hides, e.g. whether the agent still makes the write."""
+    shaping: list[str] = field(default_factory=list)
+    """The ids among ``checks`` of the rubric's shaping checks (reward, not success)."""
+
+    def check_counts(self) -> dict[str, list[int]]:
+        """Check id -> [tasks it passed, tasks it applied to]."""
+        return {cid: [sum(bool(x) for x in row), sum(x is not None for x in row)] for cid, row in self.checks.items()}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,15 +84,17 @@ def _report(policy: str, rollouts: list[Rollout]) -> EvalReport:
     rewards = [float(r.result.reward) for r in rollouts]
     n = len(rollouts)
     successes = [bool(r.result.success) for r in rollouts]
-    checks: dict[str, list[int]] = {}
-    for rollout in rollouts:
+    checks: dict[str, list[bool | None]] = {}
+    shaping: list[str] = []
+    for i, rollout in enumerate(rollouts):
         for check in rollout.result.info.get("rubric") or []:
-            if check.get("applicable"):
-                row = checks.setdefault(check["id"], [0, 0])
-                row[0] += bool(check.get("passed"))
-                row[1] += 1
+            row = checks.setdefault(check["id"], [None] * n)
+            row[i] = bool(check.get("passed")) if check.get("applicable") else None
+            if check.get("shaping") and check["id"] not in shaping:
+                shaping.append(check["id"])
     return EvalReport(policy=policy, n=n, mean_reward=sum(rewards) / max(n, 1),
-                      success_rate=sum(successes) / max(n, 1), rewards=rewards, successes=successes, checks=checks)
+                      success_rate=sum(successes) / max(n, 1), rewards=rewards, successes=successes, checks=checks,
+                      shaping=shaping)
 
 
 def evaluate_policy(model: Any, tokenizer: Any, env: Environment, config: EvalConfig, *, policy: str,
@@ -153,9 +163,30 @@ def promotion(reports: dict[str, EvalReport], *, alpha: float = 0.05) -> dict[st
         verdicts.append(f"{'beats' if ok else 'does not beat'} {other} ({reports['adapter'].success_rate:.2f} vs "
                         f"{reports[other].success_rate:.2f}: {cmp['wins']} wins, {cmp['losses']} losses, one-sided p "
                         f"{cmp['p_greater']:.3f})")
-    promoted = all(rows[k] is not None and rows[k]["p_greater"] < alpha for k in ("vs_base", "vs_null"))
+    rows["guards"] = guards = shaping_guards(reports["adapter"], reports["base"]) if "base" in reports else {}
+    broken = [f"it stopped passing {cid} (shaping: {g['adapter']} of {g['applicable']} tasks, base {g['base']}; "
+              f"one-sided p {g['p_greater']:.3f})" for cid, g in guards.items() if g["p_greater"] < alpha]
+    promoted = not broken and all(rows[k] is not None and rows[k]["p_greater"] < alpha for k in ("vs_base", "vs_null"))
     n = reports["adapter"].n
     rows["promoted"] = promoted
     rows["reason"] = (f"{'promoted' if promoted else 'not promoted'}: on {n} held-out seeds its success "
-                      + "; ".join(verdicts) + f" (gate: p < {alpha} against both)")
+                      + "; ".join(verdicts + broken) + f" (gate: p < {alpha} against both, and no shaping check lost)")
     return rows
+
+
+def shaping_guards(adapter: EvalReport, base: EvalReport) -> dict[str, dict[str, Any]]:
+    """Per shaping check of the rubric: how often the base and the adapter pass it on the tasks
+    where it applies to both, and the one-sided sign test that the base passes it more often
+    (``p_greater``). A shaping check guards what another capability decides (e.g. making the
+    write once the user said yes): an adapter whose success rose because it stopped doing that
+    has learned the environment's loophole, not the capability."""
+    from trace_assets.route.report import paired_comparison
+
+    out = {}
+    for cid in adapter.shaping:
+        pairs = [(b, a) for a, b in zip(adapter.checks.get(cid, []), base.checks.get(cid, []))
+                 if a is not None and b is not None]
+        cmp = paired_comparison([float(b) for b, _ in pairs], [float(a) for _, a in pairs])
+        out[cid] = {"applicable": len(pairs), "base": sum(b for b, _ in pairs), "adapter": sum(a for _, a in pairs),
+                    "p_greater": cmp["p_greater"]}
+    return out

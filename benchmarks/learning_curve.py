@@ -407,6 +407,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--beta", type=float, default=None, help="KL coefficient against the base (0: no reference forward)")
     ap.add_argument("--warmup-iterations", type=int, default=None,
                     help="iterations that ramp the learning rate up linearly before the full rate")
+    ap.add_argument("--expert-guidance", action="store_true", default=None,
+                    help="add the expert's play of each group's task to the group (GRPOConfig.expert_guidance)")
     ap.add_argument("--resample-rounds", type=int, default=None,
                     help="re-sample tied groups on fresh tasks, at most this many rounds per iteration")
     ap.add_argument("--seeds", default="0,1,2", help="training seeds, comma-separated")
@@ -469,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     overrides = {"learning_rate": args.lr, "iterations": args.iterations, "groups": args.groups,
                  "samples_per_group": args.samples, "max_new_tokens": args.max_new_tokens, "max_steps": args.max_steps,
                  "temperature": args.temperature, "beta": args.beta, "resample_rounds": args.resample_rounds,
-                 "warmup_iterations": args.warmup_iterations}
+                 "warmup_iterations": args.warmup_iterations, "expert_guidance": args.expert_guidance}
     config = replace(settings.train.grpo, **{k: v for k, v in overrides.items() if v is not None})
     mode = VALIDATION if args.select else HELD_OUT
     eval_config = EvalConfig(n_tasks=args.eval_tasks or settings.train.eval_tasks,

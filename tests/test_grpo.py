@@ -343,9 +343,11 @@ def test_tied_groups_are_replaced_by_fresh_tasks_and_leave_the_batch(tiny_model_
 def test_a_recipe_field_added_later_keeps_stored_adapters_current():
     """``resample_rounds = 0`` is how every stored adapter was trained: at that value it stays out of
     the identity (no retraining); set, it is part of it."""
+    other = {"resample_rounds": 2, "warmup_iterations": 2, "expert_guidance": True}
+    assert set(other) == set(GRPOConfig.LATER_FIELDS)
     for name in GRPOConfig.LATER_FIELDS:
         assert name not in GRPOConfig().identity()
-        assert GRPOConfig(**{name: 2}).identity()[name] == 2
+        assert GRPOConfig(**{name: other[name]}).identity()[name] == other[name]
         with pytest.raises(ValueError, match=name):
             GRPOConfig(**{name: -1})
 
@@ -454,6 +456,36 @@ def test_train_through_first_reply_leaves_the_turns_after_the_decision_out_of_th
             assert tokenizer.decode(in_loss) == "".join(t + "<|im_end|>" for t in trained)
             if trained != turns:  # the turns left out are still marked generated
                 assert sum(rollout.env_mask) > len(in_loss)
+
+
+def test_expert_guidance_trains_the_experts_play_of_each_groups_task(tiny_model_path, tokenizer, tmp_path):
+    """``expert_guidance``: each group gains the expert's play of its task (plain prompt, scored by
+    the environment, normalized with the group's K rewards). Only what the expert wrote after the
+    episode's start is trained; its tokens stay out of the on-policy guard (their 0.0 "sampler"
+    log-probs would trip it: the real sampler runs with the guard on here) and out of the metrics."""
+    env = _env(hint_share=1.0)
+    config = replace(TINY, iterations=1, groups=2, samples_per_group=2, expert_guidance=True, resample_rounds=0)
+    assert config.group_size == 3 and "expert_guidance" in config.identity()
+    trainer = GRPOTrainer(load_model(str(tiny_model_path))[0], tokenizer, env, config, tmp_path / "guided")
+    rollouts, samples = trainer.collect(1)
+    assert len(rollouts) == 4 and [s.demo for s in samples] == [False, False, True] * 2
+    for group in (samples[:3], samples[3:]):
+        demo, played = group[2], group[:2]
+        assert demo.task_id == played[0].task_id and demo.reward == 1.0 and demo.success and not demo.rollout_old
+        rewards = torch.tensor([[s.reward for s in group]], dtype=torch.float64)
+        assert [s.advantage for s in group] == pytest.approx(group_advantages(rewards).view(-1).tolist())
+        first = demo.loss_mask.index(1)
+        context, trained = tokenizer.decode(demo.token_ids[:first]), tokenizer.decode(
+            [t for t, m in zip(demo.token_ids, demo.loss_mask) if m])
+        assert "Hint: " not in context and env.system_prompt() in context  # the plain prompt
+        assert "find_user_id" in context and "find_user_id" not in trained  # the expert prefix is context
+        assert trained.endswith("<|im_end|>") and ("confirm" in trained.lower() or "<tool_call>" in trained)
+    metrics = GRPOTrainer(load_model(str(tiny_model_path))[0], tokenizer, env, config, tmp_path / "step").step()
+    assert metrics.demo_reward == 1.0 and metrics.onpolicy_mean_abs is not None and metrics.onpolicy_mean_abs < 0.25
+    assert metrics.success_rate < 1.0  # the random tiny model's own draw, without the expert's
+    with pytest.raises(ValueError, match="reward_fn"):
+        GRPOTrainer(load_model(str(tiny_model_path))[0], tokenizer, env, config, tmp_path / "x",
+                    reward_fn=lambda rollout: 0.0)
 
 
 def test_config_round_trips_and_profiles_state_their_differences():

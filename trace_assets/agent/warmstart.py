@@ -92,8 +92,10 @@ def demonstrations(env: Environment, tasks: Sequence[Task], *, confirm_rate: flo
     return demos
 
 
-def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[Message], tools: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans of what the assistant wrote.
+def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[Message], tools: list[dict],
+                    start: int = 0) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of what the assistant wrote in
+    ``messages[start:]`` (earlier ones, e.g. a decision point's expert prefix, are context).
 
     Each span starts after ``<|im_start|>assistant\\n`` and ends after ``<|im_end|>``, so the
     model also learns when to stop.
@@ -102,7 +104,7 @@ def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[Message],
     text = render(messages, False)
     spans = []
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or i < start:
             continue
         start = len(render(messages[:i], True))
         end = len(render(messages[: i + 1], False).rstrip("\n"))
@@ -110,9 +112,11 @@ def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[Message],
     return text, spans
 
 
-def tokenize_demo(tokenizer: PreTrainedTokenizerBase, messages: list[Message], tools: list[dict], max_length: int) -> tuple[list[int], list[int]]:
-    """Token ids and a 0/1 target mask (1 on assistant-written tokens), truncated to ``max_length``."""
-    text, spans = assistant_spans(tokenizer, messages, tools)
+def tokenize_demo(tokenizer: PreTrainedTokenizerBase, messages: list[Message], tools: list[dict], max_length: int,
+                  start: int = 0) -> tuple[list[int], list[int]]:
+    """Token ids and a 0/1 target mask (1 on what the assistant wrote in ``messages[start:]``),
+    truncated to ``max_length``."""
+    text, spans = assistant_spans(tokenizer, messages, tools, start)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [int(any(s <= a < e for s, e in spans)) for a, _ in enc["offset_mapping"]]
     return enc["input_ids"][:max_length], mask[:max_length]

@@ -91,6 +91,14 @@ class GRPOConfig:
     (warmup_iterations + 1))``, so the first ``warmup_iterations`` iterations step below the full
     rate (:meth:`learning_rate_at`). Adam's first steps move every adapter entry by about the
     learning rate whatever its gradient's size. 0: the full rate from the first step."""
+    expert_guidance: bool = False
+    """Each group also trains on one demonstration of its task by the environment's scripted expert
+    (its ``expert`` target hook, played on the same environment and scored by the same reward),
+    normalized with the group's K samples: off-policy guidance (as in LUFFY). Its tokens train at
+    ratio 1 (no sampler log-probs), only what the expert wrote after the episode's start, and never
+    enter the on-policy guard or the iteration's reward metrics. Where a weak base's tool calls are
+    mostly wrong, GRPO alone pays the episodes that make none; the expert's right call in every
+    group pays calling the right tool. Off where the environment has no expert."""
     checkpoint_every: int = 1
     keep_checkpoints: int = 2
     seed: int = 0
@@ -108,6 +116,13 @@ class GRPOConfig:
             raise ValueError("hint_is_cap must be > 0 and onpolicy_max_abs >= 0")
         if self.resample_rounds < 0 or self.warmup_iterations < 0:
             raise ValueError("resample_rounds and warmup_iterations must be >= 0")
+        if not isinstance(self.expert_guidance, bool):
+            raise ValueError(f"expert_guidance must be true or false, not {self.expert_guidance!r}")
+
+    @property
+    def group_size(self) -> int:
+        """Samples per group in the trained batch: K, and the expert's demonstration with guidance."""
+        return self.samples_per_group + int(self.expert_guidance)
 
     def learning_rate_at(self, iteration: int) -> float:
         """The learning rate of iteration ``iteration`` (1-based): :attr:`warmup_iterations`' ramp."""
@@ -128,7 +143,7 @@ class GRPOConfig:
     changes at most which random draws a sample gets, not its distribution. The guard's bound only
     decides whether a run stops, never what it computes."""
 
-    LATER_FIELDS: ClassVar[dict[str, Any]] = {"resample_rounds": 0, "warmup_iterations": 0}
+    LATER_FIELDS: ClassVar[dict[str, Any]] = {"resample_rounds": 0, "warmup_iterations": 0, "expert_guidance": False}
     """Recipe fields added after adapters were stored, with the value that reproduces those runs:
     at that value a field stays out of the identity, so the stored adapters stay current."""
 

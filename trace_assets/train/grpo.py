@@ -46,6 +46,12 @@ Contract of :class:`GRPOTrainer` (``GRPOTrainer(model, tokenizer, env, config, o
   denominator, so the step is identical to computing them). With ``config.resample_rounds`` such a
   group is replaced by a group on a fresh task (DAPO's dynamic sampling), so that more of the
   iteration's optimizer work carries signal; the replaced group leaves the batch.
+* Expert guidance (``config.expert_guidance``, off by default): each group gains one sample, the
+  environment's scripted expert playing the same task (plain prompt, ``expert`` target hook, played
+  through the same environment), scored by the same reward; the advantage is normalized over the
+  K + 1 rewards. Its tokens (what the expert wrote after the episode's start; the rendering of
+  ``agent.warmstart.tokenize_demo``) were not sampled, so they train at ratio 1 (``old = current``,
+  no clip) and stay out of the on-policy guard and of the iteration's reward and success metrics.
 * Robustness: a checkpoint (adapter, optimizer, iteration, RNG state, metrics history) is written
   every ``checkpoint_every`` iterations into ``output_dir/checkpoints/iter-NNNN`` through a temporary
   folder and an atomic rename; ``train()`` resumes from the newest one. A non-finite loss or
@@ -102,7 +108,7 @@ from trace_assets.agent.lora import (
 )
 from trace_assets.agent.model import release_memory
 from trace_assets.agent.rollout import Rollout, run_rollouts
-from trace_assets.envs.base import Environment
+from trace_assets.envs.base import Environment, Task, target_hook
 from trace_assets.paths import atomic_folder, atomic_write
 from trace_assets.train.config import LORA_INIT, GRPOConfig
 
@@ -279,6 +285,8 @@ class Sample:
     """The environment's own success flag (kept even when ``reward_fn`` reshapes the reward)."""
     kept: bool = True
     """In the batch the optimizer trains; False: a tied group that a re-sampled one replaced."""
+    demo: bool = False
+    """The expert's demonstration (``GRPOConfig.expert_guidance``), not a sample of the policy."""
 
 
 def swap_system_prompt(rollout: Rollout, tokenizer: Any, tools: list[dict[str, Any]], plain_prompt: str) -> Rollout:
@@ -362,6 +370,8 @@ class IterationMetrics:
     above are of the iteration's own G x K draw."""
     informative_groups: int | None = None
     """Groups of the trained batch whose rewards do not all tie (None: not recorded)."""
+    demo_reward: float | None = None
+    """Mean reward of the expert's demonstrations in the trained batch (None: no guidance)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -372,6 +382,7 @@ class IterationMetrics:
                 f"loss {self.loss:.4f}, trained {self.trained_sequences} seqs / {self.loss_tokens} tokens, "
                 f"on-policy |d| {_fmt(self.onpolicy_mean_abs)} KL {_fmt(self.onpolicy_kl)}, "
                 + (f"KL to the base {self.kl:.4f}, " if self.kl else "")  # measured only with beta > 0
+                + (f"expert's reward {self.demo_reward:.2f}, " if self.demo_reward is not None else "")
                 + (f"{self.resampled_groups} group{'s' * (self.resampled_groups != 1)} re-sampled, "
                    if self.resampled_groups else "")
                 + f"gen {self.gen_time_s:.0f}s, opt {self.opt_time_s:.0f}s")
@@ -493,6 +504,9 @@ class GRPOTrainer:
         self.iteration = 0
         self.tools = env.tool_schemas()
         self.plain_prompt = env.system_prompt()
+        self.expert = _expert(env) if config.expert_guidance else None
+        if self.expert is not None and reward_fn is not None:
+            raise ValueError("expert_guidance scores the expert with the environment's own reward; reward_fn replaces it")
 
     # ---- checkpoints -----------------------------------------------------------------------
 
@@ -568,7 +582,7 @@ class GRPOTrainer:
         iteration's own draw (its reward and success metrics); ``Sample.kept`` marks the G groups
         the optimizer trains (a tied group stays where no replacement was informative)."""
         cfg = self.config
-        k = cfg.samples_per_group
+        k = cfg.group_size
         rollouts, samples = self._play(iteration, cfg.groups, cfg.seed_offset + (iteration - 1) * cfg.groups, 0)
         slots = [list(range(g * k, (g + 1) * k)) for g in range(cfg.groups)]  # sample indices per trained group
 
@@ -602,10 +616,15 @@ class GRPOTrainer:
         self.model.eval()
         rollouts = run_rollouts(self.env, batch, self.backend, self.tokenizer, cfg.rollout_config(iteration, resample_round))
         rewards = [self._reward(r, iteration) for r in rollouts]
-        adv = group_advantages(torch.tensor(rewards, dtype=torch.float64).view(groups, cfg.samples_per_group),
-                               cfg.advantage_eps).view(-1).tolist()
+        demos = [self._demonstration(task, iteration) for task in tasks] if self.expert is not None else []
+        table = torch.tensor(rewards, dtype=torch.float64).view(groups, cfg.samples_per_group)
+        if demos:
+            table = torch.cat([table, torch.tensor([[d.reward] for d in demos], dtype=torch.float64)], dim=1)
+        adv = group_advantages(table, cfg.advantage_eps)
         samples = []
-        for rollout, reward, advantage in zip(rollouts, rewards, adv):
+        for index, (rollout, reward) in enumerate(zip(rollouts, rewards)):
+            group, member = divmod(index, cfg.samples_per_group)
+            advantage = float(adv[group, member])
             hinted = bool(rollout.messages) and rollout.messages[0].get("content") != self.plain_prompt
             if hinted and cfg.swap_hints:
                 rollout = swap_system_prompt(rollout, self.tokenizer, self.tools, self.plain_prompt)
@@ -617,7 +636,26 @@ class GRPOTrainer:
                 task_id=rollout.task.task_id, hinted=hinted, reward=reward,
                 success=bool(rollout.result.success),
             )))
+            if demos and member == cfg.samples_per_group - 1:
+                samples.append(replace(demos[group], advantage=float(adv[group, -1])))
         return rollouts, samples
+
+    def _demonstration(self, task: Task, iteration: int) -> Sample:
+        """The expert's play of ``task`` (plain prompt) as a sample; its advantage is set by the caller."""
+        from trace_assets.agent.warmstart import tokenize_demo
+        from trace_assets.synthesize.env import without_hint
+
+        task = without_hint(task)
+        try:
+            opening = len(self.env.start(task).initial_messages())  # system, user, any expert prefix: context
+            messages, result = self.expert(task)
+        except Exception as exc:
+            raise RolloutError(f"the expert's demonstration failed: {type(exc).__name__}: {exc}", iteration=iteration,
+                               task_id=task.task_id, checkpoint=self.latest_checkpoint()) from exc
+        ids, mask = tokenize_demo(self.tokenizer, messages, self.tools, self.config.max_context_tokens, start=opening)
+        return trim(Sample(token_ids=ids, loss_mask=mask, old_logprobs=[0.0] * len(ids), advantage=0.0,
+                           rollout_old=False, task_id=task.task_id, reward=float(result.reward),
+                           success=bool(result.success), demo=True))
 
     def _reward(self, rollout: Rollout, iteration: int) -> float:
         task_id = rollout.task.task_id
@@ -639,7 +677,7 @@ class GRPOTrainer:
         ids = torch.full((len(samples), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros((len(samples), width), dtype=torch.long)
         target = torch.zeros((len(samples), width), dtype=torch.long)
-        old, adv, use_old, swapped = [], [], [], []
+        old, adv, use_old, swapped, demo = [], [], [], [], []
         for row, s in enumerate(samples):  # right padding: positions match generation's
             n = len(s.token_ids)
             ids[row, :n] = torch.tensor(s.token_ids)
@@ -651,12 +689,14 @@ class GRPOTrainer:
             adv += [s.advantage] * len(picked)
             use_old += [s.rollout_old] * len(picked)
             swapped += [s.swapped] * len(picked)
+            demo += [s.demo] * len(picked)
         dev = self.device
         return {"input_ids": ids.to(dev), "attention_mask": attention.to(dev), "target_mask": target.to(dev),
                 "old": torch.tensor(old, dtype=torch.float32, device=dev),
                 "advantages": torch.tensor(adv, dtype=torch.float32, device=dev),
                 "use_old": torch.tensor(use_old, dtype=torch.bool, device=dev),
-                "swapped": torch.tensor(swapped, dtype=torch.bool, device=dev)}
+                "swapped": torch.tensor(swapped, dtype=torch.bool, device=dev),
+                "demo": torch.tensor(demo, dtype=torch.bool, device=dev)}
 
     def optimize(self, samples: list[Sample], iteration: int) -> dict[str, float]:
         """``steps_per_iteration`` optimizer steps on ``samples``; raises before a non-finite step."""
@@ -703,8 +743,9 @@ class GRPOTrainer:
                 if mb["swapped"].any():
                     loss = loss + hint_swap_loss(lp, mb["old"], mb["advantages"], mb["swapped"], cap=cfg.hint_is_cap,
                                                  normalizer=n_tokens)
-                if step == 0 and plain.any():  # before any step of this iteration: the sampled policy
-                    a, k, n = onpolicy_gap(mb["old"][plain], lp[plain])
+                sampled = plain & ~mb["demo"]  # the expert's tokens were never sampled
+                if step == 0 and sampled.any():  # before any step of this iteration: the sampled policy
+                    a, k, n = onpolicy_gap(mb["old"][sampled], lp[sampled])
                     gap_abs, gap_kl, gap_n = gap_abs + a, gap_kl + k, gap_n + n
                 ones = torch.ones_like(lp)
                 if not torch.isfinite(loss):
@@ -755,7 +796,7 @@ class GRPOTrainer:
         stats = self.optimize(samples, iteration)
         release_memory()  # the freed activations' pages go back before the next generation
         opt_time = time.perf_counter() - opt_start
-        drawn = samples[: cfg.groups * cfg.samples_per_group]  # the iteration's own draw: unbiased metrics
+        drawn = [s for s in samples[: cfg.groups * cfg.group_size] if not s.demo]  # its own draw: unbiased metrics
         rewards = torch.tensor([s.reward for s in drawn], dtype=torch.float64)
         grouped = rewards.view(cfg.groups, cfg.samples_per_group)
         trained = torch.tensor([s.reward for s in samples if s.kept], dtype=torch.float64).view(cfg.groups, -1)
@@ -768,8 +809,9 @@ class GRPOTrainer:
             zero_std_groups=int((grouped.std(dim=1, unbiased=False) == 0).sum()),
             hinted=sum(s.hinted for s in drawn), optimizer_steps=int(stats["steps"]),
             onpolicy_mean_abs=stats["onpolicy_mean_abs"], onpolicy_kl=stats["onpolicy_kl"],
-            resampled_groups=(len(samples) - len(drawn)) // cfg.samples_per_group,
+            resampled_groups=(len(samples) - cfg.groups * cfg.group_size) // cfg.group_size,
             informative_groups=int((trained.std(dim=1, unbiased=False) > 0).sum()),
+            demo_reward=(sum(d) / len(d) if (d := [s.reward for s in samples if s.kept and s.demo]) else None),
         )
         self.iteration = iteration
         self.history.append(metrics)
@@ -798,6 +840,14 @@ class GRPOTrainer:
         with atomic_folder(folder) as tmp:
             self.model.save_pretrained(tmp)
         return folder
+
+
+def _expert(env: Environment) -> Callable[[Task], tuple[list[dict[str, Any]], Any]]:
+    """``task -> (messages, result)``: the scripted expert of ``env``'s target (a synthetic
+    environment's, or the environment's own) played through ``env``."""
+    target = getattr(env, "target", env)
+    hook = target_hook(target, "expert")
+    return lambda task: hook(task, via=env)
 
 
 def _default_backend(config: GRPOConfig) -> BackendFactory:

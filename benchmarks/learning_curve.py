@@ -45,6 +45,12 @@ naming the file and the fields that differ, when it did not. ``--resume --target
 measured without the target test adds it to the stored seeds, from the adapters that run saved
 (``--save-adapters``), without retraining them.
 
+``--groups-out PATH`` also writes what each iteration trained on: one record per sample (iteration,
+task, family, start, reward, advantage, kept, the expert's demonstration or not, the agent's tool
+calls and tool errors, its first reply) and, per iteration, the advantage summed over the kept
+samples with and without an agent tool call: where it is negative for tool calls, GRPO is teaching
+the agent to stop calling tools.
+
     .venv/bin/python benchmarks/learning_curve.py --capability confirm_before_writing \\
         --agent data/models/base_agent/<key> --iterations 8 --eval-every 2 --seeds 0,1,2
     .venv/bin/python benchmarks/learning_curve.py --select --lr 3e-4 --iterations 8   # choose settings
@@ -74,20 +80,56 @@ VALIDATION = "train-side validation"
 
 
 class CountingTrainer(GRPOTrainer):
-    """The pipeline's trainer, unchanged, counting what its sampling spends."""
+    """The pipeline's trainer, unchanged, counting what its sampling spends (and, with ``groups``
+    a list, recording what each iteration trained on: :func:`group_records`)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, groups: list[dict[str, Any]] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.rollouts = 0
         self.generated_tokens = 0
         self.sequence_tokens = 0
+        self.groups = groups
 
     def collect(self, iteration: int):
         rollouts, samples = super().collect(iteration)
         self.rollouts += len(rollouts)
         self.generated_tokens += sum(r.n_generated for r in rollouts)
         self.sequence_tokens += sum(len(r.token_ids) for r in rollouts)
+        if self.groups is not None:
+            self.groups.extend(group_records(iteration, rollouts, samples))
         return rollouts, samples
+
+
+def group_records(iteration: int, rollouts: Sequence[Any], samples: Sequence[Any]) -> list[dict[str, Any]]:
+    """One record per sample of an iteration (the expert's demonstrations have no rollout)."""
+    played = iter(rollouts)
+    out = []
+    for sample in samples:
+        record = {"iteration": iteration, "task": sample.task_id, "reward": sample.reward,
+                  "advantage": round(sample.advantage, 4), "kept": sample.kept, "demo": sample.demo}
+        if not sample.demo:
+            rollout = next(played)
+            opening = (rollout.result.info.get("decision_point") or {}).get("prefix_messages", 0) + 2
+            own = rollout.messages[opening:]
+            calls = [c["function"]["name"] for m in own if m.get("role") == "assistant" for c in m.get("tool_calls") or []]
+            replies = [m.get("content") or "" for m in own if m.get("role") == "assistant" and not m.get("tool_calls")]
+            record.update(family=rollout.task.family, start=rollout.task.meta.get("start"), tool_calls=calls,
+                          tool_errors=sum(1 for m in own if m.get("role") == "tool"
+                                          and str(m.get("content", "")).startswith("Error:")),
+                          first_reply=replies[0][:200] if replies else None)
+        out.append(record)
+    return out
+
+
+def advantage_by_tool_use(records: Sequence[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Per iteration: the advantage summed over the kept policy samples with an agent tool call and
+    over those without one."""
+    out: dict[int, dict[str, float]] = {}
+    for r in records:
+        if r["kept"] and not r["demo"]:
+            row = out.setdefault(r["iteration"], {"with_tool_calls": 0.0, "without": 0.0})
+            row["with_tool_calls" if r["tool_calls"] else "without"] += r["advantage"]
+    return {i: {k: round(v, 3) for k, v in row.items()} for i, row in out.items()}
 
 
 def default_agent(settings: Any) -> str:
@@ -200,7 +242,7 @@ def saved_target_test(agent: str, tokenizer: Any, adapter_dir: Path, target: tup
 def learning_curve(agent: str, tokenizer: Any, env: Any, config: Any, eval_config: Any, *, seed: int,
                    eval_every: int, backend_factory: Any, device: str, log: Any,
                    target: tuple[Any, Any] | None = None, target_base: bool = False,
-                   save_to: Path | None = None) -> dict[str, Any]:
+                   save_to: Path | None = None, groups: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One training seed: GRPO from a fresh adapter on ``agent``, evaluated before training and
     every ``eval_every`` iterations (and after the last); then, given ``target = (pool, config)``,
     :func:`target_test` (the base too when ``target_base``). The trained adapter is saved to
@@ -215,7 +257,8 @@ def learning_curve(agent: str, tokenizer: Any, env: Any, config: Any, eval_confi
     points: list[dict[str, Any]] = []
     train_s = 0.0
     with tempfile.TemporaryDirectory(prefix=f"learning-curve-{seed}-") as out:
-        trainer = CountingTrainer(model, tokenizer, env, replace(config, seed=seed), out, backend_factory=backend_factory)
+        trainer = CountingTrainer(model, tokenizer, env, replace(config, seed=seed), out, backend_factory=backend_factory,
+                                  groups=groups)
 
         def evaluate() -> None:
             start = time.perf_counter()
@@ -427,6 +470,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="output path without extension (default <data>/reports/learning_curve/...)")
     ap.add_argument("--save-adapters", default=None,
                     help="save each seed's trained adapter to <this folder>/seed<N> (e.g. for target_success.py --adapter)")
+    ap.add_argument("--groups-out", default=None,
+                    help="also write every trained sample's record and the advantage by tool use (JSON) here")
     ap.add_argument("--resume", action="store_true",
                     help="reuse the seeds that <out>.json already holds, when it measured the same thing")
     return ap.parse_args(argv)
@@ -545,16 +590,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 device=args.device, log=log)}
             write_result(files, assemble(result, ordered(), complete=all(s in runs for s in seeds)))
             log(f"wrote seed {seed}'s target test to {files['.json']}")
+    groups: dict[int, list[dict[str, Any]]] = {}
     for seed in seeds:
         if seed in runs:
             continue
         base_done = any("base" in r.get("target_test", {}) for r in runs.values())
+        groups[seed] = [] if args.groups_out else None
         runs[seed] = learning_curve(agent, tokenizer, env, config, eval_config, seed=seed,
                                     eval_every=max(args.eval_every, 1), backend_factory=factory, device=args.device,
                                     log=log, target=target_eval, target_base=not base_done,
-                                    save_to=Path(args.save_adapters) / f"seed{seed}" if args.save_adapters else None)
+                                    save_to=Path(args.save_adapters) / f"seed{seed}" if args.save_adapters else None,
+                                    groups=groups[seed])
         write_result(files, assemble(result, ordered(), complete=all(s in runs for s in seeds)))
         log(f"wrote seed {seed} to {files['.json']}")
+        if args.groups_out:
+            by_tool = {s: advantage_by_tool_use(g) for s, g in groups.items()}
+            paths.atomic_write(Path(args.groups_out), json.dumps(
+                {"advantage_by_tool_use": by_tool, "samples": groups}, indent=1))
+            log(f"seed {seed}: advantage summed by tool use per iteration {by_tool[seed]} -> {args.groups_out}")
     result = assemble(result, ordered(), complete=True)
     console.print(table(result))
     console.print(family_table(result))

@@ -27,6 +27,8 @@ def _module():
     ([], HELD_OUT_OFFSET),
     # the tiny random model earns reward 0 everywhere: its one group ties and is re-sampled once
     (["--select", "--no-calibrate", "--resample-rounds", "1"], TRAIN_VALIDATION_OFFSET),
+    # the expert's play joins the group (reward 1 beside the tiny model's 0s)
+    (["--no-calibrate", "--expert-guidance"], HELD_OUT_OFFSET),
 ])
 def test_one_iteration_on_tiny_writes_json_and_png(tmp_path, monkeypatch, tiny_model_path, extra, offset):
     monkeypatch.setenv("TRACE_DATA_DIR", str(tmp_path / "data"))
@@ -34,7 +36,8 @@ def test_one_iteration_on_tiny_writes_json_and_png(tmp_path, monkeypatch, tiny_m
     result = _module().main([
         "--agent", str(tiny_model_path), "--profile", "tiny", "--capability", "confirm_before_writing",
         "--iterations", "1", "--groups", "1", "--samples", "2", "--max-steps", "1", "--max-new-tokens", "4",
-        "--eval-tasks", "2", "--eval-every", "1", "--seeds", "0", "--backend", "transformers", "--out", str(out), *extra])
+        "--eval-tasks", "2", "--eval-every", "1", "--seeds", "0", "--backend", "transformers", "--out", str(out),
+        "--groups-out", str(tmp_path / "groups.json"), *extra])
     data = json.loads((tmp_path / "curve.json").read_text())
     assert data["eval"]["seed_offset"] == offset and data["mode"] == result["mode"]
     [seed] = data["seeds"]
@@ -56,6 +59,17 @@ def test_one_iteration_on_tiny_writes_json_and_png(tmp_path, monkeypatch, tiny_m
     assert ("calibration" in data["environment"]) == ("--no-calibrate" not in extra)
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "curve.envspec.json").read_text())["capability"]["name"] == "confirm_before_writing"
+    groups = json.loads((tmp_path / "groups.json").read_text())
+    [samples] = groups["samples"].values()
+    demos = [r for r in samples if r["demo"]]
+    assert len(samples) - len(demos) == after["rollouts"] and all(r["iteration"] == 1 for r in samples)
+    assert [r["reward"] for r in demos] == ([1.0] * (1 + resampled) if "--expert-guidance" in extra else [])
+    assert data["grpo"]["expert_guidance"] == ("--expert-guidance" in extra)
+    played = [r for r in samples if not r["demo"]]
+    assert all({"family", "start", "tool_calls", "tool_errors", "first_reply"} <= set(r) for r in played)
+    by_tool = groups["advantage_by_tool_use"]["0"]["1"]
+    assert set(by_tool) == {"with_tool_calls", "without"}
+    assert sum(by_tool.values()) == pytest.approx(sum(r["advantage"] for r in played if r["kept"]), abs=1e-3)
 
 
 def test_target_test_plays_the_test_split_with_adapter_null_and_base(tmp_path, monkeypatch, tiny_model_path):

@@ -134,3 +134,33 @@ def test_auto_micro_batch_follows_the_training_dtype_and_bad_values_name_the_set
         config.write_text(f"[warmstart]\nmicro_batch_size = {bad}\n")
         with pytest.raises(ValueError, match="warmstart.micro_batch_size must be"):
             load_settings("demo", config)
+
+
+@pytest.mark.parametrize("start", [0, 2, 3])
+def test_the_mask_covers_every_assistant_message_from_start_and_nothing_else(tiny_model_path, start):
+    """Each assistant message at index >= ``start`` is a target, whole, up to its end-of-turn;
+    earlier ones, and everything the user, tools and system wrote, are context."""
+    from trace_assets.agent.model import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(str(tiny_model_path)))
+    env = get_environment("retail")
+    task = make_splits(env, demo_per_family=1, train_per_family=0, test_per_family=0, seed=0)["demo"][0]
+    [messages] = demonstrations(env, [task], confirm_rate=1.0, seed=0)
+    wanted = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= start]
+    assert len(wanted) >= 3  # a multi-turn demo, or the test proves nothing
+
+    ids, mask = tokenize_demo(tokenizer, messages, env.tool_schemas(), 100_000, start=start)
+    runs, run = [], []  # the maximal runs of target tokens
+    for tok, m in zip(ids, mask):
+        if m:
+            run.append(tok)
+        elif run:
+            runs, run = runs + [run], []
+    runs += [run] if run else []
+    assert len(runs) == len(wanted)
+    for run, i in zip(runs, wanted):
+        text = tokenizer.decode(run)
+        assert text.endswith("<|im_end|>"), text
+        assert not text.startswith("<|im_start|>"), text
+        if messages[i].get("content"):
+            assert messages[i]["content"].strip() in text

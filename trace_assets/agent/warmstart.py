@@ -106,9 +106,9 @@ def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[Message],
     for i, message in enumerate(messages):
         if message["role"] != "assistant" or i < start:
             continue
-        start = len(render(messages[:i], True))
+        begin = len(render(messages[:i], True))
         end = len(render(messages[: i + 1], False).rstrip("\n"))
-        spans.append((start, end))
+        spans.append((begin, end))
     return text, spans
 
 

@@ -393,7 +393,8 @@ def figure(result: dict[str, Any]) -> bytes:
     fig.suptitle(f"E_{result['capability']}: lr {g['learning_rate']:g}, G {g['groups']} x K {g['samples_per_group']}, "
                  f"{g['max_steps']} turns x {g['max_new_tokens']} tokens"
                  + (f", warmup {g['warmup_iterations']} it." if g.get("warmup_iterations") else "")
-                 + (f", tied groups re-sampled up to {g['resample_rounds']}x" if g.get("resample_rounds") else ""), fontsize=10)
+                 + (f", tied groups re-sampled up to {g['resample_rounds']}x" if g.get("resample_rounds") else "")
+                 + (", expert guidance" if g.get("expert_guidance") else ""), fontsize=10)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")

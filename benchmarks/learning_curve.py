@@ -635,6 +635,8 @@ def _comparable(result: dict[str, Any]) -> dict[str, Any]:
     later = GRPOConfig.LATER_FIELDS  # a field added since, at the value that reproduces the stored run
     kept["grpo"] = {k: v for k, v in kept.get("grpo", {}).items() if k != "seed" and not (k in later and v == later[k])}
     kept["environment"] = {"spec_hash": kept.get("environment", {}).get("spec_hash")}
+    if kept.get("agent"):  # one folder however it was spelled: relative, or with a trailing slash
+        kept["agent"] = str(Path(kept["agent"]).resolve())
     kept["generation"] = {k: v for k, v in kept.get("generation", {}).items() if k != "used"}
     if "target_test" in kept:
         kept["target_test"] = {k: kept["target_test"].get(k) for k in ("families", "task_ids", "max_steps",

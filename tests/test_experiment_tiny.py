@@ -127,7 +127,7 @@ def test_an_evaluation_run_again_from_nothing_reuses_the_stored_episodes(experim
 
     defs, *_ = experiment
     fresh = DagsterInstance.local_temp(str(tmp_path), overrides={"telemetry": {"enabled": False}})
-    run_ids, failures = run_stale(defs, fresh, AssetSelection.keys("experiment_eval").upstream())
+    run_ids, failures = run_stale(defs, fresh, AssetSelection.assets("experiment_eval").upstream())
     assert not failures, failures
     messages = [e.user_message for run_id in run_ids for e in fresh.all_logs(run_id) if e.user_message]
     assert any("test episodes are stored" in m and "reused" in m for m in messages)

@@ -9,6 +9,8 @@ loss, 1e-4 relative (of the largest entry) on every LoRA gradient.
 
 from __future__ import annotations
 
+from itertools import groupby
+
 import pytest
 import torch
 
@@ -150,13 +152,7 @@ def test_the_mask_covers_every_assistant_message_from_start_and_nothing_else(tin
     assert len(wanted) >= 3  # a multi-turn demo, or the test proves nothing
 
     ids, mask = tokenize_demo(tokenizer, messages, env.tool_schemas(), 100_000, start=start)
-    runs, run = [], []  # the maximal runs of target tokens
-    for tok, m in zip(ids, mask):
-        if m:
-            run.append(tok)
-        elif run:
-            runs, run = runs + [run], []
-    runs += [run] if run else []
+    runs = [[tok for tok, _ in run] for target, run in groupby(zip(ids, mask), key=lambda x: x[1]) if target]
     assert len(runs) == len(wanted)
     for run, i in zip(runs, wanted):
         text = tokenizer.decode(run)

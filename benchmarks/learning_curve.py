@@ -295,8 +295,10 @@ def learning_curve(agent: str, tokenizer: Any, env: Any, config: Any, eval_confi
 
 def summarize(seeds: Sequence[dict[str, Any]], families: Sequence[str] | None = None) -> dict[str, Any]:
     """The mean curve over seeds (points matched by iteration), each seed's gain from its first
-    to its last point and, given the evaluation tasks' ``families`` (in task order), the success
-    per family at the first and the last point, over tasks x seeds: where the gain comes from."""
+    to its last point with the mean gain's 95 % paired bootstrap interval over evaluation tasks x
+    seeds (every seed plays the same evaluation tasks), and, given the evaluation tasks' ``families``
+    (in task order), the success per family at the first and the last point, over tasks x seeds:
+    where the gain comes from."""
     iterations = [p["iteration"] for p in seeds[0]["points"]]
     curve = []
     for i, iteration in enumerate(iterations):
@@ -306,6 +308,12 @@ def summarize(seeds: Sequence[dict[str, Any]], families: Sequence[str] | None = 
     gains = {s["seed"]: round(s["points"][-1]["success"] - s["points"][0]["success"], 4) for s in seeds}
     out = {"mean_curve": curve, "success_gain_per_seed": gains, "mean_success_gain": round(mean(gains.values()), 4),
            "mean_reward_gain": round(curve[-1]["mean_reward"] - curve[0]["mean_reward"], 4)}
+    if len(iterations) > 1:  # the gain's 95 % paired bootstrap over evaluation tasks x training seeds
+        from trace_assets.experiment.stats import paired_bootstrap
+
+        outcomes = {when: [s["points"][i]["successes"] for s in seeds] for when, i in (("first", 0), ("last", -1))}
+        _, differences = paired_bootstrap(outcomes, contrasts=[("last", "first")])
+        out["success_gain_interval"] = differences[("last", "first")].to_dict()
     if families:
         out["per_family"] = {}
         for family in dict.fromkeys(families):
@@ -616,7 +624,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         console.print(target_table(result))
     gains = ", ".join(f"seed {k} {v:+.3f}" for k, v in result["summary"]["success_gain_per_seed"].items())
     last = result["summary"]["mean_curve"][-1]
-    log(f"success gain per seed: {gains}; mean {result['summary']['mean_success_gain']:+.3f} (reward "
+    ci = result["summary"].get("success_gain_interval")
+    ci = f" [{ci['low']:+.3f}, {ci['high']:+.3f}]" if ci else ""
+    log(f"success gain per seed: {gains}; mean {result['summary']['mean_success_gain']:+.3f}{ci} (reward "
         f"{result['summary']['mean_reward_gain']:+.3f}) after {last['rollouts']:.0f} rollouts, "
         f"{last['generated_tokens']:.0f} generated tokens ({last['sequence_tokens']:.0f} sequence tokens), "
         f"{last['train_wall_s']:.0f} s of training per seed")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from statistics import mean
 
 import pytest
 
@@ -70,6 +71,24 @@ def test_one_iteration_on_tiny_writes_json_and_png(tmp_path, monkeypatch, tiny_m
     by_tool = groups["advantage_by_tool_use"]["0"]["1"]
     assert set(by_tool) == {"with_tool_calls", "without"}
     assert sum(by_tool.values()) == pytest.approx(sum(r["advantage"] for r in played if r["kept"]), abs=1e-3)
+
+
+def test_the_success_gain_has_a_paired_interval_over_tasks_and_seeds():
+    def run(seed, before, after):
+        return {"seed": seed, "points": [
+            {"iteration": i, "rollouts": 0, "generated_tokens": 0, "sequence_tokens": 0, "train_wall_s": 0.0,
+             "success": sum(ok) / len(ok), "mean_reward": 0.0, "successes": ok} for i, ok in ((0, before), (4, after))]}
+
+    summarize = _module().summarize
+    same = summarize([run(0, [0, 1, 0, 1], [0, 1, 0, 1]), run(1, [0, 1, 0, 1], [0, 1, 0, 1])])
+    assert same["success_gain_interval"] | {"level": 0} == {"estimate": 0.0, "low": 0.0, "high": 0.0, "level": 0}
+    every = summarize([run(0, [0, 0, 0, 0], [1, 1, 1, 1]), run(1, [0, 0, 0, 0], [1, 1, 1, 1])])
+    assert (every["success_gain_interval"]["low"], every["success_gain_interval"]["high"]) == (1.0, 1.0)
+    mixed = summarize([run(0, [0, 0, 1, 0, 0, 1], [1, 1, 0, 0, 1, 1]), run(1, [0, 0, 1, 0, 0, 1], [1, 0, 1, 0, 0, 1])])
+    ci = mixed["success_gain_interval"]
+    assert ci["estimate"] == pytest.approx(mean(mixed["success_gain_per_seed"].values()))
+    assert ci["low"] < ci["estimate"] < ci["high"] and ci["level"] == 0.95
+    assert "success_gain_interval" not in summarize([{"seed": 0, "points": run(0, [1], [1])["points"][:1]}])
 
 
 def test_target_test_plays_the_test_split_with_adapter_null_and_base(tmp_path, monkeypatch, tiny_model_path):

@@ -2,16 +2,25 @@
 
 The parent plays one iteration of G x K episodes once (the demo's GRPO recipe on a template
 synthetic environment, which starts at a decision point, so a task's samples share a long prompt;
-or, with ``--capability target``, on the retail target as the GRPO-on-target baseline plays it)
-and pickles the optimizer's samples. Each variant's child loads the same model with the same LoRA
-init, runs ``GRPOTrainer.optimize`` on those samples (one step) and prints its own ``ru_maxrss``,
-the step's time and the gradient's norm; a ``load`` child that stops before the step gives the
-baseline. The reward alternates 0/1 so that every sample has a non-zero advantage (the worst case
-for memory). Only execution fields vary (``micro_batch_tokens``, ``gradient_checkpointing``): the
-gradient must agree across variants (its cosine to the first variant's is printed).
+or, with ``--capability target``, on the retail target as the GRPO-on-target baseline plays it) and
+pickles the optimizer's samples. Each variant's child loads the same model with the same LoRA init,
+runs ``GRPOTrainer.optimize`` on those samples (one step) and prints its own ``ru_maxrss``, the
+step's time and the gradient's norm; a ``load`` child that stops before the step gives the baseline.
+The reward alternates 0/1 so that every sample has a non-zero advantage (the worst case for memory),
+but under ``--expert-guidance``, whose rewards are the environment's own. Only execution fields
+vary: a variant's name joins ``seqsN`` (``micro_batch_size``, default the demo's), ``tokensN``
+(``micro_batch_tokens``) and ``ckpt`` (``gradient_checkpointing``) with ``+``; ``engine`` plays an
+iteration through the pipeline's vLLM engine in the child first, so that the step runs beside the
+engine's KV cache and threads as in training. The gradient must agree across variants (its cosine to
+the first variant's is printed). ``--spec`` plays a stored EnvSpec instead of the template's, and
+``--expert-guidance`` adds the expert's play to each group, as ``benchmarks/learning_curve.py``
+trains (a group is then K + 1 samples, so ``seqs5`` runs each task's prompt once where the demo's 4
+runs it twice).
 
     .venv/bin/python benchmarks/grpo_memory.py --model demo [--agent <data>/models/base_agent/<key>]
     .venv/bin/python benchmarks/grpo_memory.py --agent <agent> --variants tokens2048+ckpt,tokens4096+ckpt,tokens4096
+    .venv/bin/python benchmarks/grpo_memory.py --agent <agent> --spec docs/transfer/heldout_v12.envspec.json \
+        --expert-guidance --variants tokens4096+ckpt,tokens4096+ckpt+engine,seqs5+tokens8192,seqs5+tokens8192+engine
 """
 
 from __future__ import annotations
@@ -29,29 +38,46 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-VARIANTS = {  # name: (micro_batch_tokens, gradient_checkpointing)
-    "tokens6144": (6144, False),
-    "tokens4096": (4096, False),
-    "tokens2048": (2048, False),
-    "tokens6144+ckpt": (6144, True),
-    "tokens4096+ckpt": (4096, True),
-    "tokens2048+ckpt": (2048, True),
-}
+VARIANTS = "tokens6144,tokens4096,tokens2048,tokens6144+ckpt,tokens4096+ckpt,tokens2048+ckpt"
+
+
+def variant_fields(name: str) -> dict:
+    """The execution fields a variant's name sets: ``seqs4+tokens4096+ckpt`` -> micro_batch_size 4,
+    micro_batch_tokens 4096, gradient_checkpointing on; an unnamed field keeps the demo's value but
+    the checkpointing, which is off unless named. ``engine`` sets no field: that child first plays
+    one iteration through the pipeline's vLLM engine, so the step runs beside it as in training."""
+    fields: dict = {"gradient_checkpointing": False}
+    for part in name.split("+"):
+        if part == "engine":
+            continue  # not a field: the child plays an iteration through the vLLM engine first
+        if part == "ckpt":
+            fields["gradient_checkpointing"] = True
+        elif part.startswith("seqs") and part[4:].isdigit():
+            fields["micro_batch_size"] = int(part[4:])
+        elif part.startswith("tokens") and part[6:].isdigit():
+            fields["micro_batch_tokens"] = int(part[6:])
+        else:
+            raise SystemExit(f"variant {name!r}: {part!r} is none of seqsN, tokensN, ckpt, engine")
+    return fields
 
 
 def _config(args: argparse.Namespace):
     from trace_assets.settings import DEMO_GRPO
 
-    return replace(DEMO_GRPO, groups=args.groups, samples_per_group=args.samples, iterations=1)
+    return replace(DEMO_GRPO, groups=args.groups, samples_per_group=args.samples, iterations=1,
+                   expert_guidance=args.expert_guidance)
 
 
-def _env(capability: str):
-    """The template synthetic environment of ``capability``, or with ``"target"`` the retail target
-    itself, played from the first turn as GRPO-on-target plays it (its samples are the longest)."""
+def _env(capability: str, spec: str | None = None):
+    """The template synthetic environment of ``capability`` (or the stored EnvSpec ``spec``), or with
+    ``"target"`` the retail target itself, played from the first turn as GRPO-on-target plays it
+    (its samples are the longest)."""
     from trace_assets.envs import get_environment
-    from trace_assets.synthesize import SyntheticEnv, template_spec
+    from trace_assets.synthesize import SyntheticEnv, load_spec, template_spec
 
     target = get_environment("retail")
+    if spec:
+        return SyntheticEnv(load_spec(Path(spec), target), target)
     if capability == "target":
         from trace_assets.envs.splits import TaskPoolEnv
 
@@ -59,13 +85,28 @@ def _env(capability: str):
     return SyntheticEnv(template_spec({"name": capability, "description": capability}, target), target)
 
 
-def _trainer(args: argparse.Namespace, config, out: str):
+def _trainer(args: argparse.Namespace, config, out: str, *, engine: bool = False):
+    """The trainer; with ``engine``, generating through the pipeline's policy backend (vLLM with
+    weight sync in this process where vLLM runs, float32) as ``benchmarks/learning_curve.py`` does."""
     from trace_assets.agent.model import load_model
     from trace_assets.train.grpo import GRPOTrainer
 
-    model, tokenizer = load_model(args.agent or args.model)
+    agent = args.agent or args.model
+    model, tokenizer = load_model(agent)
     counter = itertools.count()
-    return GRPOTrainer(model, tokenizer, _env(args.capability), config, out, reward_fn=lambda r: float(next(counter) % 2))
+    # Guidance scores the expert with the environment's own reward, so the rewards are real then.
+    reward_fn = None if config.expert_guidance else (lambda r: float(next(counter) % 2))
+    factory = None
+    if engine:
+        from resources.models import ModelResource
+        from trace_assets.definitions import build_resources
+        from trace_assets.settings import load_settings
+
+        pipeline = build_resources(load_settings())["models"]
+        factory = ModelResource(**{**{k: getattr(pipeline, k) for k in ModelResource.model_fields}, "base_model": agent,
+                                   "vllm_dtype": "float32"}).policy_backend_factory(agent)
+    return GRPOTrainer(model, tokenizer, _env(args.capability, args.spec), config, out, reward_fn=reward_fn,
+                       **({"backend_factory": factory} if factory else {}))
 
 
 def child(args: argparse.Namespace) -> None:
@@ -73,12 +114,16 @@ def child(args: argparse.Namespace) -> None:
 
     import torch
 
-    tokens, ckpt = VARIANTS.get(args.child, (6144, False))
-    config = replace(_config(args), micro_batch_tokens=tokens, gradient_checkpointing=ckpt)
+    config = replace(_config(args), **(variant_fields(args.child) if args.child != "load" else {}))
     samples = pickle.loads(Path(args.samples_file).read_bytes())
+    engine = "engine" in args.child.split("+")
     with tempfile.TemporaryDirectory() as out:
-        trainer = _trainer(args, config, out)
+        trainer = _trainer(args, config, out, engine=engine)
         report: dict = {}
+        if engine:  # the engine, its KV cache and a weight sync live in this process, as in training
+            start = time.perf_counter()
+            trainer.collect(1)
+            report["played_s"] = round(time.perf_counter() - start, 1)
         if args.child != "load":
             grads = []
             trainer.optimizer.step = lambda: grads.append(torch.cat([p.grad.flatten() for p in trainer.params]))
@@ -97,7 +142,9 @@ def main() -> None:
     ap.add_argument("--capability", default="confirm_before_writing", help='a capability, or "target"')
     ap.add_argument("--groups", type=int, default=4)
     ap.add_argument("--samples", type=int, default=4)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--spec", default=None, help="play this stored EnvSpec instead of the template's")
+    ap.add_argument("--expert-guidance", action="store_true", help="add the expert's play to each group")
+    ap.add_argument("--variants", default=VARIANTS)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--samples-file", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--grad-file", default=None, help=argparse.SUPPRESS)
@@ -118,15 +165,19 @@ def main() -> None:
         samples_file = Path(tmp) / "samples.pkl"
         samples_file.write_bytes(pickle.dumps(samples))
         first, first_s = None, None
-        for name in ["load", *[v.strip() for v in args.variants.split(",") if v.strip()]]:
+        names = [v.strip() for v in args.variants.split(",") if v.strip()]
+        for name in names:
+            variant_fields(name)  # a bad name fails before any child runs
+        for name in ["load", *names]:
             grad_file = Path(tmp) / f"{name}.pt"
             cmd = [sys.executable, __file__, "--child", name, "--samples-file", str(samples_file), "--grad-file", str(grad_file),
                    "--model", args.model, "--capability", args.capability, "--groups", str(args.groups), "--samples", str(args.samples)]
-            if args.agent:
-                cmd += ["--agent", args.agent]
+            cmd += ["--agent", args.agent] if args.agent else []
+            cmd += ["--spec", args.spec] if args.spec else []
+            cmd += ["--expert-guidance"] if args.expert_guidance else []
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
             row = json.loads(out)
-            line = f"{name:16s} peak RSS {row['peak_rss_mb']:6d} MB"
+            line = f"{name:29s} peak RSS {row['peak_rss_mb']:6d} MB"
             if name != "load":
                 grad = torch.load(grad_file).double()
                 first = grad if first is None else first
@@ -134,6 +185,8 @@ def main() -> None:
                 cosine = float(torch.nn.functional.cosine_similarity(grad, first, dim=0))
                 line += (f"  step {row['step_s']:6.1f} s (x{first_s / row['step_s']:.2f} the first's speed)"
                          f"  |grad| {float(grad.norm()):.4g}  cosine to first {cosine:.6f}")
+            if "played_s" in row:
+                line += f"  (played an iteration through the engine first: {row['played_s']:.0f} s)"
             print(line, flush=True)
 
 

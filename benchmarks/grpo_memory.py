@@ -98,13 +98,10 @@ def _trainer(args: argparse.Namespace, config, out: str, *, engine: bool = False
     reward_fn = None if config.expert_guidance else (lambda r: float(next(counter) % 2))
     factory = None
     if engine:
-        from resources.models import ModelResource
         from trace_assets.definitions import build_resources
         from trace_assets.settings import load_settings
 
-        pipeline = build_resources(load_settings())["models"]
-        factory = ModelResource(**{**{k: getattr(pipeline, k) for k in ModelResource.model_fields}, "base_model": agent,
-                                   "vllm_dtype": "float32"}).policy_backend_factory(agent)
+        factory = build_resources(load_settings())["models"].exact().policy_backend_factory(agent)
     return GRPOTrainer(model, tokenizer, _env(args.capability, args.spec), config, out, reward_fn=reward_fn,
                        **({"backend_factory": factory} if factory else {}))
 

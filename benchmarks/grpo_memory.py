@@ -7,9 +7,11 @@ pickles the optimizer's samples. Each variant's child loads the same model with 
 runs ``GRPOTrainer.optimize`` on those samples (one step) and prints its own ``ru_maxrss``, the
 step's time and the gradient's norm; a ``load`` child that stops before the step gives the baseline.
 The reward alternates 0/1 so that every sample has a non-zero advantage (the worst case for memory),
-but under ``--expert-guidance``, whose rewards are the environment's own. Only execution fields
-vary: a variant's name joins ``seqsN`` (``micro_batch_size``, default the demo's), ``tokensN``
-(``micro_batch_tokens``) and ``ckpt`` (``gradient_checkpointing``) with ``+``; ``engine`` plays an
+but under ``--expert-guidance``, whose rewards are the environment's own. Execution fields vary:
+a variant's name joins ``seqsN`` (``micro_batch_size``, default the demo's), ``tokensN``
+(``micro_batch_tokens``) and ``ckpt`` (``gradient_checkpointing``) with ``+``. One recipe field can
+vary too: ``fp32`` trains without bf16 autocast (``bf16 = false``; otherwise the trainer's ``auto``),
+a precision change, not an execution one, whose effect the gradient cosine shows. ``engine`` plays an
 iteration through the pipeline's vLLM engine in the child first, so that the step runs beside the
 engine's KV cache and threads as in training. The gradient must agree across variants (its cosine to
 the first variant's is printed). ``--spec`` plays a stored EnvSpec instead of the template's, and
@@ -21,6 +23,8 @@ runs it twice).
     .venv/bin/python benchmarks/grpo_memory.py --agent <agent> --variants tokens2048+ckpt,tokens4096+ckpt,tokens4096
     .venv/bin/python benchmarks/grpo_memory.py --agent <agent> --spec docs/transfer/heldout_v12.envspec.json \
         --expert-guidance --variants tokens4096+ckpt,tokens4096+ckpt+engine,seqs5+tokens8192,seqs5+tokens8192+engine
+    .venv/bin/python benchmarks/grpo_memory.py --agent <agent> --spec docs/transfer/heldout_v12.envspec.json \
+        --expert-guidance --variants seqs5+tokens8192,seqs5+tokens8192+fp32,tokens4096+ckpt+fp32
 """
 
 from __future__ import annotations
@@ -44,20 +48,23 @@ VARIANTS = "tokens6144,tokens4096,tokens2048,tokens6144+ckpt,tokens4096+ckpt,tok
 def variant_fields(name: str) -> dict:
     """The execution fields a variant's name sets: ``seqs4+tokens4096+ckpt`` -> micro_batch_size 4,
     micro_batch_tokens 4096, gradient_checkpointing on; an unnamed field keeps the demo's value but
-    the checkpointing, which is off unless named. ``engine`` sets no field: that child first plays
-    one iteration through the pipeline's vLLM engine, so the step runs beside it as in training."""
+    the checkpointing, which is off unless named. ``fp32`` sets ``bf16 = false``. ``engine`` sets no
+    field: that child first plays one iteration through the pipeline's vLLM engine, so the step runs
+    beside it as in training."""
     fields: dict = {"gradient_checkpointing": False}
     for part in name.split("+"):
         if part == "engine":
             continue  # not a field: the child plays an iteration through the vLLM engine first
         if part == "ckpt":
             fields["gradient_checkpointing"] = True
+        elif part == "fp32":
+            fields["bf16"] = False
         elif part.startswith("seqs") and part[4:].isdigit():
             fields["micro_batch_size"] = int(part[4:])
         elif part.startswith("tokens") and part[6:].isdigit():
             fields["micro_batch_tokens"] = int(part[6:])
         else:
-            raise SystemExit(f"variant {name!r}: {part!r} is none of seqsN, tokensN, ckpt, engine")
+            raise SystemExit(f"variant {name!r}: {part!r} is none of seqsN, tokensN, ckpt, fp32, engine")
     return fields
 
 

@@ -490,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from rich.console import Console
 
     from resources.models import ModelResource
-    from trace_assets import paths
+    from trace_assets import paths, reports
     from trace_assets.agent.lora import bf16_supported
     from trace_assets.agent.model import load_tokenizer, resolve_model
     from trace_assets.definitions import build_resources
@@ -572,7 +572,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                  "families": [t.family for t in env.sample_tasks(eval_config.n_tasks, offset=eval_config.seed_offset)],
                  "max_steps": eval_config.max_steps, "max_new_tokens": eval_config.max_new_tokens},
         "generation": {"backend": models.generation_backend, "vllm_dtype": models.resolved_vllm_dtype()},
-        "machine": {"cpus": os.cpu_count(), "bf16_native": bf16_supported(), "device": args.device},
+        "machine": {**reports.machine(), "cpus": os.cpu_count(), "bf16_native": bf16_supported(), "device": args.device,
+                    "train_bf16": bf16_supported() if config.bf16 is None else config.bf16},
         **({"target_test": target_info} if target_info else {}),
     }
     done = resumed_seeds(files[".json"], result) if args.resume else {}

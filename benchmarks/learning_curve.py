@@ -201,6 +201,7 @@ def target_test(model: Any, tokenizer: Any, pool: Any, eval_config: Any, *, out:
         start = time.perf_counter()
         report = evaluate_policy(model, tokenizer, pool, eval_config, policy=policy, backend_factory=backend_factory)
         results[policy] = {"successes": [bool(x) for x in report.successes], "rewards": report.rewards,
+                           "checks": report.checks,  # the target's per-check outcome of every task
                            "success": report.success_rate, "mean_reward": round(report.mean_reward, 4),
                            "eval_s": round(time.perf_counter() - start, 1)}
         log(f"seed {seed} target test, {policy}: {sum(report.successes)}/{report.n} "
@@ -347,8 +348,16 @@ def target_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 "null": [r["target_test"]["null"]["successes"] for r in runs]}
     contrasts = [("adapter", "base"), ("adapter", "null"), ("null", "base")]
     systems, differences = paired_bootstrap(outcomes, contrasts=contrasts)
+    recorded = {"base": [next(r["target_test"]["base"] for r in runs if "base" in r["target_test"])],
+                "adapter": [r["target_test"]["adapter"] for r in runs], "null": [r["target_test"]["null"] for r in runs]}
+    checks = {}  # system -> check -> [passed, applied], summed over the seeds that recorded checks
+    for system, results in recorded.items():
+        for cid, row in (cell for res in results for cell in (res.get("checks") or {}).items()):
+            counts = checks.setdefault(system, {}).setdefault(cid, [0, 0])
+            counts[0] += sum(bool(x) for x in row)
+            counts[1] += sum(x is not None for x in row)
     return {
-        "n_tasks": len(base), "base_successes": sum(base),
+        "n_tasks": len(base), "base_successes": sum(base), "checks": checks,
         "per_seed": {r["seed"]: {k: sum(r["target_test"][k]["successes"]) for k in ("adapter", "null")} for r in runs},
         "systems": {k: v.to_dict() for k, v in systems.items()},
         "differences": {f"{a} - {b}": v.to_dict() for (a, b), v in differences.items()},

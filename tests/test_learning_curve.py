@@ -106,6 +106,16 @@ def test_target_test_plays_the_test_split_with_adapter_null_and_base(tmp_path, m
     assert [len(row) for row in t["outcomes"]["adapter"]] == [t["n_tasks"]] * 2
     for name, interval in t["systems"].items():
         assert interval["low"] <= interval["estimate"] <= interval["high"], name
+    seeds = json.loads((tmp_path / "curve.json").read_text())["seeds"]
+    for policy in ("adapter", "null"):  # the target's own checks, per task: a success passed them all
+        for run in seeds:
+            tested = run["target_test"][policy]
+            assert set(tested["checks"]) == {"state_match", "info_communicated", "confirmed_writes"}
+            assert all(len(row) == t["n_tasks"] for row in tested["checks"].values())
+            assert all(all(row[i] for row in tested["checks"].values()) for i, ok in enumerate(tested["successes"]) if ok)
+        assert t["checks"][policy]["state_match"] == [
+            sum(sum(r["target_test"][policy]["checks"]["state_match"]) for r in seeds), 2 * t["n_tasks"]]
+    assert t["checks"]["base"]["confirmed_writes"][1] == t["n_tasks"]  # the base plays once
     assert (tmp_path / "curve.target_test.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit, match="not families"):
         module.main(["--agent", str(tiny_model_path), "--profile", "tiny", "--no-calibrate", "--seeds", "0",

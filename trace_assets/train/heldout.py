@@ -26,7 +26,7 @@ from typing import Any
 
 from trace_assets.agent.backends import TransformersBackend
 from trace_assets.agent.rollout import Rollout, RolloutConfig, run_rollouts, with_limits
-from trace_assets.envs.base import Environment
+from trace_assets.envs.base import Environment, check_outcomes
 from trace_assets.synthesize.env import without_hint
 
 HELD_OUT_OFFSET = 900_000
@@ -67,8 +67,10 @@ class EvalReport:
     rewards: list[float]
     successes: list[bool] = field(default_factory=list)
     checks: dict[str, list[bool | None]] = field(default_factory=dict)
-    """Rubric check id -> per task: passed, or None where it did not apply (synthetic
-    environments): what a success rate hides, e.g. whether the agent still makes the write."""
+    """Check id -> per task: passed, or None where it did not apply: a synthetic environment's
+    rubric checks, or on a target the target's own (``envs.base.check_outcomes``: state match,
+    information told, confirmed writes for retail). What a success rate hides, e.g. whether the
+    agent still makes the write."""
     shaping: list[str] = field(default_factory=list)
     """The ids among ``checks`` of the rubric's shaping checks (reward, not success)."""
 
@@ -87,7 +89,12 @@ def _report(policy: str, rollouts: list[Rollout]) -> EvalReport:
     checks: dict[str, list[bool | None]] = {}
     shaping: list[str] = []
     for i, rollout in enumerate(rollouts):
-        for check in rollout.result.info.get("rubric") or []:
+        rubric = rollout.result.info.get("rubric")
+        if not isinstance(rubric, list):  # a target episode: its own per-check breakdown, every check applies
+            for cid, passed in check_outcomes(rollout.result.info).items():
+                checks.setdefault(cid, [None] * n)[i] = passed
+            continue
+        for check in rubric:
             row = checks.setdefault(check["id"], [None] * n)
             row[i] = bool(check.get("passed")) if check.get("applicable") else None
             if check.get("shaping") and check["id"] not in shaping:

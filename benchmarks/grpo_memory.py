@@ -9,9 +9,12 @@ step's time and the gradient's norm; a ``load`` child that stops before the step
 The reward alternates 0/1 so that every sample has a non-zero advantage (the worst case for memory),
 but under ``--expert-guidance``, whose rewards are the environment's own. Execution fields vary:
 a variant's name joins ``seqsN`` (``micro_batch_size``, default the demo's), ``tokensN``
-(``micro_batch_tokens``) and ``ckpt`` (``gradient_checkpointing``) with ``+``. One recipe field can
-vary too: ``fp32`` trains without bf16 autocast (``bf16 = false``; otherwise the trainer's ``auto``),
-a precision change, not an execution one, whose effect the gradient cosine shows. ``engine`` plays an
+(``micro_batch_tokens``), ``ckpt`` (``gradient_checkpointing``) and ``pack`` (``pack_suffixes``)
+with ``+``. One recipe field can vary too: ``fp32`` trains without bf16 autocast (``bf16 = false``;
+otherwise the trainer's ``auto``), a precision change, not an execution one, whose effect the
+gradient cosine shows. Each line also counts the forward positions the step runs against the tokens
+they hold (the rest is padding). ``--keep-samples`` keeps the played iteration, so that a later run
+steps on the very same samples. ``engine`` plays an
 iteration through the pipeline's vLLM engine in the child first, so that the step runs beside the
 engine's KV cache and threads as in training. The gradient must agree across variants (its cosine to
 the first variant's is printed). ``--spec`` plays a stored EnvSpec instead of the template's, and
@@ -25,6 +28,8 @@ runs it twice).
         --expert-guidance --variants tokens4096+ckpt,tokens4096+ckpt+engine,seqs5+tokens8192,seqs5+tokens8192+engine
     .venv/bin/python benchmarks/grpo_memory.py --agent <agent> --spec docs/transfer/heldout_v12.envspec.json \
         --expert-guidance --variants seqs5+tokens8192,seqs5+tokens8192+fp32,tokens4096+ckpt+fp32
+    .venv/bin/python benchmarks/grpo_memory.py --agent <agent> --spec docs/transfer/heldout_v12.envspec.json \
+        --expert-guidance --keep-samples /tmp/v12_guided.pkl --variants seqs5+tokens8192+fp32,seqs5+tokens8192+fp32+pack
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ VARIANTS = "tokens6144,tokens4096,tokens2048,tokens6144+ckpt,tokens4096+ckpt,tok
 def variant_fields(name: str) -> dict:
     """The execution fields a variant's name sets: ``seqs4+tokens4096+ckpt`` -> micro_batch_size 4,
     micro_batch_tokens 4096, gradient_checkpointing on; an unnamed field keeps the demo's value but
-    the checkpointing, which is off unless named. ``fp32`` sets ``bf16 = false``. ``engine`` sets no
+    the checkpointing, which is off unless named. ``pack`` sets ``pack_suffixes``; ``fp32`` sets
+    ``bf16 = false``. ``engine`` sets no
     field: that child first plays one iteration through the pipeline's vLLM engine, so the step runs
     beside it as in training."""
     fields: dict = {"gradient_checkpointing": False}
@@ -59,13 +65,40 @@ def variant_fields(name: str) -> dict:
             fields["gradient_checkpointing"] = True
         elif part == "fp32":
             fields["bf16"] = False
+        elif part == "pack":
+            fields["pack_suffixes"] = True
         elif part.startswith("seqs") and part[4:].isdigit():
             fields["micro_batch_size"] = int(part[4:])
         elif part.startswith("tokens") and part[6:].isdigit():
             fields["micro_batch_tokens"] = int(part[6:])
         else:
-            raise SystemExit(f"variant {name!r}: {part!r} is none of seqsN, tokensN, ckpt, fp32, engine")
+            raise SystemExit(f"variant {name!r}: {part!r} is none of seqsN, tokensN, ckpt, pack, fp32, engine")
     return fields
+
+
+def forward_positions(samples: list, config) -> tuple[int, int]:
+    """``(positions, tokens)`` of one optimizer step on ``samples`` under ``config``: the positions
+    its forward passes run, as ``agent.lora.token_logprobs`` pads them (widths rounded up to
+    ``SHAPE_BUCKET``, a shared prefix rounded down to it and run once, the rest packed into one
+    sequence under ``pack_suffixes``), and the tokens they hold
+    (each micro-batch's shared prefix counted once). The difference is padding."""
+    from trace_assets.agent.lora import SHAPE_BUCKET
+    from trace_assets.train.grpo import common_prefix_len, training_plan
+
+    active, chunks = training_plan(samples, config)
+    positions = tokens = 0
+    for chunk in chunks:
+        rows = [active[i].token_ids for i in chunk]
+        width = -(-max(map(len, rows)) // SHAPE_BUCKET) * SHAPE_BUCKET
+        shared = min((common_prefix_len(rows[0], r) for r in rows[1:]), default=0)
+        prefix = min(shared, width - 1) // SHAPE_BUCKET * SHAPE_BUCKET
+        prefix = prefix if prefix >= 32 else 0  # token_logprobs' min_shared_prefix
+        if config.pack_suffixes and prefix:  # the rows after the prefix as one sequence
+            positions += prefix + max(SHAPE_BUCKET, -(-sum(len(r) - prefix for r in rows) // SHAPE_BUCKET) * SHAPE_BUCKET)
+        else:
+            positions += prefix + len(rows) * (width - prefix)
+        tokens += shared + sum(len(r) - shared for r in rows)
+    return positions, tokens
 
 
 def _config(args: argparse.Namespace):
@@ -149,6 +182,8 @@ def main() -> None:
     ap.add_argument("--spec", default=None, help="play this stored EnvSpec instead of the template's")
     ap.add_argument("--expert-guidance", action="store_true", help="add the expert's play to each group")
     ap.add_argument("--variants", default=VARIANTS)
+    ap.add_argument("--keep-samples", default=None, metavar="PATH",
+                    help="play the iteration once and keep its samples here; later runs read them instead of playing")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--samples-file", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--grad-file", default=None, help=argparse.SUPPRESS)
@@ -160,14 +195,19 @@ def main() -> None:
     import torch
 
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = _trainer(args, _config(args), tmp)
-        start = time.perf_counter()
-        _, samples = trainer.collect(1)
-        print(f"{len(samples)} samples, {sum(len(s.token_ids) for s in samples)} tokens "
-              f"({sum(sum(s.loss_mask) for s in samples)} generated), played in {time.perf_counter() - start:.0f} s", flush=True)
-        del trainer
-        samples_file = Path(tmp) / "samples.pkl"
-        samples_file.write_bytes(pickle.dumps(samples))
+        samples_file = Path(args.keep_samples) if args.keep_samples else Path(tmp) / "samples.pkl"
+        if samples_file.exists():  # the same samples as an earlier run: steps compare across runs too
+            samples = pickle.loads(samples_file.read_bytes())
+            print(f"{len(samples)} samples from {samples_file}")
+        else:
+            trainer = _trainer(args, _config(args), tmp)
+            start = time.perf_counter()
+            _, samples = trainer.collect(1)
+            print(f"{len(samples)} samples, {sum(len(s.token_ids) for s in samples)} tokens "
+                  f"({sum(sum(s.loss_mask) for s in samples)} generated), played in {time.perf_counter() - start:.0f} s",
+                  flush=True)
+            del trainer
+            samples_file.write_bytes(pickle.dumps(samples))
         first, first_s = None, None
         names = [v.strip() for v in args.variants.split(",") if v.strip()]
         for name in names:
@@ -183,6 +223,8 @@ def main() -> None:
             row = json.loads(out)
             line = f"{name:29s} peak RSS {row['peak_rss_mb']:6d} MB"
             if name != "load":
+                positions, tokens = forward_positions(samples, replace(_config(args), **variant_fields(name)))
+                line += f"  forward {positions} positions ({tokens} tokens)"
                 grad = torch.load(grad_file).double()
                 first = grad if first is None else first
                 first_s = first_s or row["step_s"]

@@ -536,8 +536,8 @@ def test_micro_batches_count_a_shared_prefix_once():
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_prefix_micro_batches_leave_the_gradient_unchanged(tiny_model_path, tokenizer, tmp_path, bf16):
-    """Grouping a task's samples (their decision-point prompt runs once) and gradient checkpointing
-    (over that shared prompt too) are savings, not new estimators: on real samples of a
+    """Grouping a task's samples (their decision-point prompt runs once), packing what follows it
+    and gradient checkpointing (over that shared prompt too) are savings, not new estimators: on real samples of a
     decision-point environment, the first step's gradient equals the length-sorted layout's
     (fp32: relative error < 1e-5; bf16 autocast: cosine > 0.999)."""
     from trace_assets.agent.lora import bf16_supported
@@ -546,7 +546,10 @@ def test_prefix_micro_batches_leave_the_gradient_unchanged(tiny_model_path, toke
         pytest.skip("no native bf16 here")
     config = replace(TINY, iterations=1, groups=2, samples_per_group=4, micro_batch_size=4, bf16=bf16, max_new_tokens=16)
     layouts = {"sorted": {"prefix_micro_batches": False}, "grouped": {"prefix_micro_batches": True},
-               "grouped+checkpointed": {"prefix_micro_batches": True, "gradient_checkpointing": True}}
+               "grouped+checkpointed": {"prefix_micro_batches": True, "gradient_checkpointing": True},
+               "grouped+packed": {"prefix_micro_batches": True, "pack_suffixes": True},
+               "grouped+packed+checkpointed": {"prefix_micro_batches": True, "pack_suffixes": True,
+                                               "gradient_checkpointing": True}}
     grads, samples = {}, None
     for name, layout in layouts.items():
         torch.manual_seed(0)
@@ -563,7 +566,9 @@ def test_prefix_micro_batches_leave_the_gradient_unchanged(tiny_model_path, toke
     assert len(prompts) == 2 and min(prompts.values()) > 200  # long shared prompts: the case that matters
     b = grads["sorted"]
     assert b.norm() > 0
-    for name in ("grouped", "grouped+checkpointed"):
+    lengths = {len(s.token_ids) for s in samples}
+    assert max(lengths) - min(lengths) > 8  # ragged: packing has padding to drop
+    for name in [n for n in layouts if n != "sorted"]:
         a = grads[name]
         if bf16:
             assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.999, name

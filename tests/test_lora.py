@@ -1,5 +1,5 @@
-"""token_logprobs: the shared-prefix path equals the plain path, and the shape buckets change
-nothing but float rounding, values and gradients."""
+"""token_logprobs: the shared-prefix path (broadcast or packed) equals the plain path, and the
+shape buckets change nothing but float rounding, values and gradients."""
 
 from __future__ import annotations
 
@@ -70,6 +70,35 @@ def test_shared_prefix_matches_plain_path(tiny_model_path, monkeypatch):
     assert g_plain.keys() == g_shared.keys() and g_plain
     for name in g_plain:
         torch.testing.assert_close(g_shared[name], g_plain[name], atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_packed_suffixes_match_the_plain_path(tiny_model_path, checkpointed):
+    """``pack``: rows of very different lengths after a shared prefix run as one block-diagonal
+    sequence; the values and gradients are the plain path's (fp32, float rounding only), whatever
+    the widths, also under gradient checkpointing (the prefix caches replay)."""
+    from trace_assets.agent.lora import enable_gradient_checkpointing
+
+    model = _peft(tiny_model_path)
+    if checkpointed:
+        enable_gradient_checkpointing(model)
+    model.train()
+    ids, att, tgt = _batch(prefix_len=150, suffix_len=90, rows=4)
+    att[1, -70:] = 0  # rows of 240, 170, 229 and 240 tokens
+    tgt = tgt * att
+    tgt[0, 20:30] = 1  # targets inside the shared prefix count too
+    runs = {}
+    for pack in (False, True):
+        model.zero_grad()
+        values = token_logprobs(model, ids, att, tgt, min_shared_prefix=10_000 if not pack else 16, pack=pack)
+        values.sum().backward()
+        runs[pack] = values.detach(), _grads(model)
+    (plain, g_plain), (packed, g_packed) = runs[False], runs[True]
+    assert plain.shape == packed.shape == (int(tgt[:, 1:].sum()),)
+    torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
+    assert g_plain.keys() == g_packed.keys() and g_plain
+    for name in g_plain:
+        torch.testing.assert_close(g_packed[name], g_plain[name], atol=1e-4, rtol=1e-3)
 
 
 def test_no_shared_prefix_and_single_row(tiny_model_path):

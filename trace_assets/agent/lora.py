@@ -168,6 +168,7 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     min_shared_prefix: int = 32,
+    pack: bool = False,
 ) -> torch.Tensor:
     """Log-probs of ``input_ids[b, t]`` for every position where ``target_mask[b, t]`` is 1.
 
@@ -184,29 +185,71 @@ def token_logprobs(
     batch. Gradients still flow through it, so values and gradients equal the plain path up to
     float rounding; only the compute shrinks (the prefix is often most of the tokens). Its caches
     are replay-safe, so this holds under :func:`enable_gradient_checkpointing` too.
+
+    ``pack``: after the shared prefix, the rows' suffixes run as one sequence, each attending to the
+    prefix and to itself only (a block-diagonal mask, positions continuing the prefix's), instead of
+    as a batch padded to the longest row. Where rows differ in length (GRPO's samples of one task
+    do) the padding is most of a batch's suffix positions. The same values and gradients up to float
+    rounding.
     """
     body, head = _body_and_head(model)
     input_ids, attention_mask, target_mask = _pad_to_bucket(input_ids, attention_mask, target_mask)
     prefix = shared_prefix_len(input_ids, attention_mask) if input_ids.shape[0] > 1 else 0
     prefix = min(prefix, input_ids.shape[1] - 1) // SHAPE_BUCKET * SHAPE_BUCKET
-    if prefix >= min_shared_prefix:
-        batch = input_ids.shape[0]
-        recorded = Cache(layer_class_to_replicate=_RecordingLayer)
-        first = body(input_ids=input_ids[:1, :prefix], attention_mask=attention_mask[:1, :prefix],
-                     past_key_values=recorded, use_cache=True)
-        view = Cache(layers=[_PrefixView(layer, batch) for layer in recorded.layers])
-        positions = torch.arange(prefix, input_ids.shape[1], device=input_ids.device).expand(batch, -1)
-        rest = body(input_ids=input_ids[:, prefix:], attention_mask=attention_mask, past_key_values=view,
-                    position_ids=positions, use_cache=True).last_hidden_state
-        hidden = torch.cat([first.last_hidden_state.expand(batch, -1, -1), rest], dim=1)
+    if prefix >= min_shared_prefix and pack:
+        hidden = _packed_hidden(body, input_ids, attention_mask, target_mask, prefix)
     else:
-        hidden = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    select = target_mask[:, 1:].bool()
-    logits = head(hidden[:, :-1][select]).float()
+        if prefix >= min_shared_prefix:
+            batch = input_ids.shape[0]
+            recorded = Cache(layer_class_to_replicate=_RecordingLayer)
+            first = body(input_ids=input_ids[:1, :prefix], attention_mask=attention_mask[:1, :prefix],
+                         past_key_values=recorded, use_cache=True)
+            view = Cache(layers=[_PrefixView(layer, batch) for layer in recorded.layers])
+            positions = torch.arange(prefix, input_ids.shape[1], device=input_ids.device).expand(batch, -1)
+            rest = body(input_ids=input_ids[:, prefix:], attention_mask=attention_mask, past_key_values=view,
+                        position_ids=positions, use_cache=True).last_hidden_state
+            full = torch.cat([first.last_hidden_state.expand(batch, -1, -1), rest], dim=1)
+        else:
+            full = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = full[:, :-1][target_mask[:, 1:].bool()]
+    logits = head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
-    targets = input_ids[:, 1:][select]
+    targets = input_ids[:, 1:][target_mask[:, 1:].bool()]
     return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+def _packed_hidden(body: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   target_mask: torch.Tensor, prefix: int) -> torch.Tensor:
+    """:func:`token_logprobs`' ``pack`` path: the hidden states that predict the target tokens, in
+    its row-major order. The first ``prefix`` tokens, which every row shares, run once; then every
+    row's remaining tokens run as one sequence (padded to a :data:`SHAPE_BUCKET` multiple) in which a
+    token attends to the prefix and to its own row's earlier tokens only."""
+    device = input_ids.device
+    rows = input_ids.shape[0]
+    sizes = attention_mask.sum(dim=1) - prefix  # right padding: a row's tokens after the prefix
+    starts = torch.cumsum(sizes, 0) - sizes
+    total = int(sizes.sum())
+    width = max(SHAPE_BUCKET, -(-total // SHAPE_BUCKET) * SHAPE_BUCKET)
+    row_of = torch.repeat_interleave(torch.arange(rows, device=device), sizes)
+    position = prefix + torch.arange(total, device=device) - starts[row_of]
+    pad = width - total
+    ids = torch.cat([input_ids[row_of, position], input_ids.new_zeros(pad)])
+    segment = torch.cat([row_of, row_of.new_full((pad,), -1)])  # -1: padding, which attends to the prefix only
+    position = torch.cat([position, position.new_full((pad,), prefix)])
+    own = (segment[:, None] == segment[None, :]) & (position[None, :] <= position[:, None]) & (segment[:, None] >= 0)
+    mask = torch.cat([own.new_ones((width, prefix)), own], dim=1)[None, None]
+    if getattr(body.config, "_attn_implementation", None) == "eager":  # eager adds its mask: 0 or the dtype's min
+        mask = torch.zeros(mask.shape, dtype=body.dtype, device=device).masked_fill(~mask, torch.finfo(body.dtype).min)
+    recorded = Cache(layer_class_to_replicate=_RecordingLayer)
+    first = body(input_ids=input_ids[:1, :prefix], attention_mask=attention_mask[:1, :prefix],
+                 past_key_values=recorded, use_cache=True).last_hidden_state[0]
+    view = Cache(layers=[_PrefixView(layer, 1) for layer in recorded.layers])
+    rest = body(input_ids=ids[None], attention_mask=mask, past_key_values=view, position_ids=position[None],
+                use_cache=True).last_hidden_state[0]
+    row, col = target_mask[:, 1:].bool().nonzero(as_tuple=True)  # col predicts token col + 1, row-major
+    index = torch.where(col < prefix, col, prefix + starts[row] + col - prefix)
+    return torch.cat([first, rest])[index]
 
 
 def merge_and_save(peft_model: PeftModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> Path:

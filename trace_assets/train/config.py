@@ -54,6 +54,12 @@ class GRPOConfig:
     decision-point prefix) runs once per micro-batch (``token_logprobs``' prefix broadcast) and
     counts once against ``micro_batch_tokens``. Off: sort by length alone. The same loss and
     gradient either way, up to float rounding (``tests/test_grpo.py``)."""
+    pack_suffixes: bool = False
+    """Within a micro-batch, run what follows the shared prompt as one packed sequence (each sample
+    attending to the prompt and to itself) instead of a batch padded to its longest sample
+    (``token_logprobs``' ``pack``): the same loss and gradient up to float rounding, fewer positions
+    where a task's samples differ in length. ``micro_batch_tokens`` still counts the padded batch,
+    a bound from above."""
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in backward: activation memory falls from ~1.6 GB per 1k
     tokens (SmolLM2-135M, bf16 autocast) to the layers' inputs, for about a third more compute. The
@@ -136,7 +142,8 @@ class GRPOConfig:
                                          seed=derive_seed(seed, resample_round) if resample_round else seed)
 
     EXECUTION_FIELDS: ClassVar[frozenset[str]] = frozenset(
-        {"micro_batch_size", "micro_batch_tokens", "prefix_micro_batches", "gradient_checkpointing", "generation_batch_size",
+        {"micro_batch_size", "micro_batch_tokens", "prefix_micro_batches", "pack_suffixes", "gradient_checkpointing",
+         "generation_batch_size",
          "checkpoint_every", "keep_checkpoints", "onpolicy_max_abs"})
     """Fields that change how a run executes (memory, batching, checkpoint cadence), not the recipe:
     the loss is the same sum however it is split (up to float rounding), and batching generation

@@ -175,6 +175,21 @@ def prefix_order(samples: Sequence["Sample"]) -> list[int]:
                                                       -len(samples[i].token_ids)))
 
 
+def training_plan(samples: Sequence["Sample"], config: GRPOConfig) -> tuple[list["Sample"], list[list[int]]]:
+    """What one optimizer step on ``samples`` runs: the samples that carry a gradient (kept, with a
+    non-zero advantage or ``beta > 0``, and a trained token), in micro-batch order, and its
+    micro-batches as index chunks into that list (:func:`micro_batches` under ``config``'s limits)."""
+    active = [s for s in samples if s.kept and (s.advantage != 0.0 or config.beta > 0) and any(s.loss_mask[1:])]
+    if config.prefix_micro_batches:  # a task's samples together: their shared prompt runs once
+        active = [active[i] for i in prefix_order(active)]
+        shared = [0] + [common_prefix_len(a.token_ids, b.token_ids) for a, b in zip(active, active[1:])]
+    else:
+        active.sort(key=lambda s: -len(s.token_ids))  # similar lengths together: less padding
+        shared = None
+    return active, micro_batches([len(s.token_ids) for s in active], config.micro_batch_size,
+                                 config.micro_batch_tokens, shared)
+
+
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
     """``(r - mean) / (std + eps)`` per group; ``rewards`` is ``[groups, samples]``.
 
@@ -703,14 +718,7 @@ class GRPOTrainer:
         cfg = self.config
         samples = [s for s in samples if s.kept]
         n_tokens = sum(sum(s.loss_mask[1:]) for s in samples)
-        active = [s for s in samples if s.advantage != 0.0 or cfg.beta > 0]
-        active = [s for s in active if any(s.loss_mask[1:])]
-        if cfg.prefix_micro_batches:  # a task's samples together: their shared prompt runs once
-            active = [active[i] for i in prefix_order(active)]
-            shared = [0] + [common_prefix_len(a.token_ids, b.token_ids) for a, b in zip(active, active[1:])]
-        else:
-            active.sort(key=lambda s: -len(s.token_ids))  # similar lengths together: less padding
-            shared = None
+        active, chunks = training_plan(samples, cfg)
         stats = {"loss": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0, "kl": 0.0, "steps": 0,
                  "trained_sequences": len(active), "loss_tokens": n_tokens,
                  "onpolicy_mean_abs": None, "onpolicy_kl": None}
@@ -724,19 +732,18 @@ class GRPOTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             step_loss, clipped, kl_sum, counted = 0.0, 0.0, 0.0, 0
             gap_abs, gap_kl, gap_n = 0.0, 0.0, 0
-            for chunk in micro_batches([len(x.token_ids) for x in active], cfg.micro_batch_size, cfg.micro_batch_tokens,
-                                       shared):
+            for chunk in chunks:
                 chunk = [active[i] for i in chunk]
                 mb = self._micro_batch(chunk)
                 with autocast(self.bf16, self.device.type):
                     lp = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], mb["target_mask"],
-                                        temperature=cfg.temperature)
+                                        temperature=cfg.temperature, pack=cfg.pack_suffixes)
                 old = torch.where(mb["use_old"], mb["old"], lp.detach())
                 ref = None
                 if cfg.beta > 0:
                     with torch.no_grad(), self.model.disable_adapter(), autocast(self.bf16, self.device.type):
                         ref = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], mb["target_mask"],
-                                             temperature=cfg.temperature)
+                                             temperature=cfg.temperature, pack=cfg.pack_suffixes)
                 plain = ~mb["swapped"]
                 loss = clipped_surrogate_loss(lp, old, mb["advantages"], plain, epsilon=cfg.epsilon,
                                               ref_logprobs=ref, beta=cfg.beta, normalizer=n_tokens)

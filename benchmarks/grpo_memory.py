@@ -53,11 +53,10 @@ VARIANTS = "tokens6144,tokens4096,tokens2048,tokens6144+ckpt,tokens4096+ckpt,tok
 def variant_fields(name: str) -> dict:
     """The execution fields a variant's name sets: ``seqs4+tokens4096+ckpt`` -> micro_batch_size 4,
     micro_batch_tokens 4096, gradient_checkpointing on; an unnamed field keeps the demo's value but
-    the checkpointing, which is off unless named. ``pack`` sets ``pack_suffixes``; ``fp32`` sets
-    ``bf16 = false``. ``engine`` sets no
-    field: that child first plays one iteration through the pipeline's vLLM engine, so the step runs
-    beside it as in training."""
-    fields: dict = {"gradient_checkpointing": False}
+    the checkpointing and the packing, which are off unless named (``pack``: ``pack_suffixes``).
+    ``fp32`` sets ``bf16 = false``. ``engine`` sets no field: that child first plays one iteration
+    through the pipeline's vLLM engine, so the step runs beside it as in training."""
+    fields: dict = {"gradient_checkpointing": False, "pack_suffixes": False}
     for part in name.split("+"):
         if part == "engine":
             continue  # not a field: the child plays an iteration through the vLLM engine first

@@ -545,8 +545,9 @@ def test_prefix_micro_batches_leave_the_gradient_unchanged(tiny_model_path, toke
     if bf16 and not bf16_supported():
         pytest.skip("no native bf16 here")
     config = replace(TINY, iterations=1, groups=2, samples_per_group=4, micro_batch_size=4, bf16=bf16, max_new_tokens=16)
-    layouts = {"sorted": {"prefix_micro_batches": False}, "grouped": {"prefix_micro_batches": True},
-               "grouped+checkpointed": {"prefix_micro_batches": True, "gradient_checkpointing": True},
+    layouts = {"sorted": {"prefix_micro_batches": False},
+               "grouped": {"prefix_micro_batches": True, "pack_suffixes": False},
+               "grouped+checkpointed": {"prefix_micro_batches": True, "pack_suffixes": False, "gradient_checkpointing": True},
                "grouped+packed": {"prefix_micro_batches": True, "pack_suffixes": True},
                "grouped+packed+checkpointed": {"prefix_micro_batches": True, "pack_suffixes": True,
                                                "gradient_checkpointing": True}}

@@ -652,7 +652,9 @@ _NOT_COMPARED = ("seeds", "summary", "complete", "created_at", "environment_buil
 def _comparable(result: dict[str, Any]) -> dict[str, Any]:
     # Through JSON first: a stored run has been, and a tuple in memory must equal its stored list.
     kept = {k: v for k, v in json.loads(json.dumps(result, default=str)).items() if k not in _NOT_COMPARED}
-    later = GRPOConfig.LATER_FIELDS  # a field added since, at the value that reproduces the stored run
+    # a field added since, at the value that reproduces the stored run (execution fields included:
+    # runs stored before packing ran unpacked)
+    later = {**GRPOConfig.LATER_FIELDS, "pack_suffixes": False}
     kept["grpo"] = {k: v for k, v in kept.get("grpo", {}).items() if k != "seed" and not (k in later and v == later[k])}
     kept["environment"] = {"spec_hash": kept.get("environment", {}).get("spec_hash")}
     if kept.get("agent"):  # one folder however it was spelled: relative, or with a trailing slash

@@ -346,3 +346,17 @@ def test_resume_adds_the_target_test_to_stored_seeds_from_their_saved_adapters(t
     assert set(t["per_seed"]) == {"0", "1"} and t == json.loads(json.dumps(result["target_test"]))
     assert sum("base" in r["target_test"] for r in stored["seeds"]) == 1  # the base plays once
     assert [len(row) for row in t["outcomes"]["adapter"]] == [t["n_tasks"]] * 2
+
+
+def test_resume_reads_runs_stored_before_packing_as_unpacked(tmp_path):
+    """A run stored before ``pack_suffixes`` existed trained unpacked: resuming it unpacked is the
+    same measurement, resuming it packed is another one (an error that names the field)."""
+    module = _module()
+    ours = {"benchmark": "learning_curve", "agent": str(tmp_path), "grpo": {"learning_rate": 1e-3, "seed": 0},
+            "environment": {"spec_hash": "s"}, "generation": {"backend": "vllm"}, "eval": {"n_tasks": 4}}
+    stored = tmp_path / "run.json"
+    stored.write_text(json.dumps({**ours, "seeds": [{"seed": 0}]}))
+    unpacked = {**ours, "grpo": {**ours["grpo"], "pack_suffixes": False}}
+    assert set(module.resumed_seeds(stored, unpacked)) == {0}
+    with pytest.raises(SystemExit, match="pack_suffixes"):
+        module.resumed_seeds(stored, {**ours, "grpo": {**ours["grpo"], "pack_suffixes": True}})

@@ -190,7 +190,8 @@ def token_logprobs(
     prefix and to itself only (a block-diagonal mask, positions continuing the prefix's), instead of
     as a batch padded to the longest row. Where rows differ in length (GRPO's samples of one task
     do) the padding is most of a batch's suffix positions. The same values and gradients up to float
-    rounding.
+    rounding. It pays only where the suffixes are short beside the prefix: the packed attention
+    grows with the square of their summed length (``GRPOConfig.pack_suffixes``).
     """
     body, head = _body_and_head(model)
     input_ids, attention_mask, target_mask = _pad_to_bucket(input_ids, attention_mask, target_mask)

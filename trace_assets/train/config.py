@@ -147,8 +147,7 @@ class GRPOConfig:
 
     EXECUTION_FIELDS: ClassVar[frozenset[str]] = frozenset(
         {"micro_batch_size", "micro_batch_tokens", "prefix_micro_batches", "pack_suffixes", "gradient_checkpointing",
-         "generation_batch_size",
-         "checkpoint_every", "keep_checkpoints", "onpolicy_max_abs"})
+         "generation_batch_size", "checkpoint_every", "keep_checkpoints", "onpolicy_max_abs"})
     """Fields that change how a run executes (memory, batching, checkpoint cadence), not the recipe:
     the loss is the same sum however it is split (up to float rounding), and batching generation
     changes at most which random draws a sample gets, not its distribution. The guard's bound only

@@ -81,7 +81,7 @@ def forward_positions(samples: list, config) -> tuple[int, int]:
     ``SHAPE_BUCKET``, a shared prefix rounded down to it and run once, the rest packed into one
     sequence under ``pack_suffixes``), and the tokens they hold
     (each micro-batch's shared prefix counted once). The difference is padding."""
-    from trace_assets.agent.lora import SHAPE_BUCKET
+    from trace_assets.agent.lora import SHAPE_BUCKET, prefix_run
     from trace_assets.train.grpo import common_prefix_len, training_plan
 
     active, chunks = training_plan(samples, config)
@@ -90,8 +90,7 @@ def forward_positions(samples: list, config) -> tuple[int, int]:
         rows = [active[i].token_ids for i in chunk]
         width = -(-max(map(len, rows)) // SHAPE_BUCKET) * SHAPE_BUCKET
         shared = min((common_prefix_len(rows[0], r) for r in rows[1:]), default=0)
-        prefix = min(shared, width - 1) // SHAPE_BUCKET * SHAPE_BUCKET
-        prefix = prefix if prefix >= 32 else 0  # token_logprobs' min_shared_prefix
+        prefix = prefix_run(shared, width)
         if config.pack_suffixes and prefix:  # the rows after the prefix as one sequence
             positions += prefix + max(SHAPE_BUCKET, -(-sum(len(r) - prefix for r in rows) // SHAPE_BUCKET) * SHAPE_BUCKET)
         else:

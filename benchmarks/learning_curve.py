@@ -343,19 +343,20 @@ def target_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     repeats its row) of the ``target_test`` results of :func:`learning_curve` runs."""
     from trace_assets.experiment.stats import paired_bootstrap
 
-    base = next(r["target_test"]["base"] for r in runs if "base" in r["target_test"])["successes"]
-    outcomes = {"base": [base] * len(runs), "adapter": [r["target_test"]["adapter"]["successes"] for r in runs],
-                "null": [r["target_test"]["null"]["successes"] for r in runs]}
-    contrasts = [("adapter", "base"), ("adapter", "null"), ("null", "base")]
-    systems, differences = paired_bootstrap(outcomes, contrasts=contrasts)
+    # the base does not train: one seed measured it, and it stands for every seed
     recorded = {"base": [next(r["target_test"]["base"] for r in runs if "base" in r["target_test"])],
                 "adapter": [r["target_test"]["adapter"] for r in runs], "null": [r["target_test"]["null"] for r in runs]}
-    checks = {}  # system -> check -> [passed, applied], summed over the seeds that recorded checks
+    base = recorded["base"][0]["successes"]
+    outcomes = {"base": [base] * len(runs), **{k: [res["successes"] for res in recorded[k]] for k in ("adapter", "null")}}
+    contrasts = [("adapter", "base"), ("adapter", "null"), ("null", "base")]
+    systems, differences = paired_bootstrap(outcomes, contrasts=contrasts)
+    checks: dict[str, dict[str, list[int]]] = {}  # system -> check -> [passed, applied], over the seeds that recorded them
     for system, results in recorded.items():
-        for cid, row in (cell for res in results for cell in (res.get("checks") or {}).items()):
-            counts = checks.setdefault(system, {}).setdefault(cid, [0, 0])
-            counts[0] += sum(bool(x) for x in row)
-            counts[1] += sum(x is not None for x in row)
+        for res in results:
+            for cid, row in (res.get("checks") or {}).items():
+                counts = checks.setdefault(system, {}).setdefault(cid, [0, 0])
+                counts[0] += sum(bool(x) for x in row)
+                counts[1] += sum(x is not None for x in row)
     return {
         "n_tasks": len(base), "base_successes": sum(base), "checks": checks,
         "per_seed": {r["seed"]: {k: sum(r["target_test"][k]["successes"]) for k in ("adapter", "null")} for r in runs},

@@ -195,21 +195,18 @@ def token_logprobs(
     """
     body, head = _body_and_head(model)
     input_ids, attention_mask, target_mask = _pad_to_bucket(input_ids, attention_mask, target_mask)
-    prefix = shared_prefix_len(input_ids, attention_mask) if input_ids.shape[0] > 1 else 0
-    prefix = min(prefix, input_ids.shape[1] - 1) // SHAPE_BUCKET * SHAPE_BUCKET
-    if prefix >= min_shared_prefix and pack:
+    shared = shared_prefix_len(input_ids, attention_mask) if input_ids.shape[0] > 1 else 0
+    prefix = prefix_run(shared, input_ids.shape[1], min_shared_prefix)
+    if prefix and pack:
         hidden = _packed_hidden(body, input_ids, attention_mask, target_mask, prefix)
     else:
-        if prefix >= min_shared_prefix:
+        if prefix:
             batch = input_ids.shape[0]
-            recorded = Cache(layer_class_to_replicate=_RecordingLayer)
-            first = body(input_ids=input_ids[:1, :prefix], attention_mask=attention_mask[:1, :prefix],
-                         past_key_values=recorded, use_cache=True)
-            view = Cache(layers=[_PrefixView(layer, batch) for layer in recorded.layers])
+            first, view = _prefix_pass(body, input_ids, attention_mask, prefix, batch)
             positions = torch.arange(prefix, input_ids.shape[1], device=input_ids.device).expand(batch, -1)
             rest = body(input_ids=input_ids[:, prefix:], attention_mask=attention_mask, past_key_values=view,
                         position_ids=positions, use_cache=True).last_hidden_state
-            full = torch.cat([first.last_hidden_state.expand(batch, -1, -1), rest], dim=1)
+            full = torch.cat([first.expand(batch, -1, -1), rest], dim=1)
         else:
             full = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         hidden = full[:, :-1][target_mask[:, 1:].bool()]
@@ -242,15 +239,30 @@ def _packed_hidden(body: torch.nn.Module, input_ids: torch.Tensor, attention_mas
     mask = torch.cat([own.new_ones((width, prefix)), own], dim=1)[None, None]
     if getattr(body.config, "_attn_implementation", None) == "eager":  # eager adds its mask: 0 or the dtype's min
         mask = torch.zeros(mask.shape, dtype=body.dtype, device=device).masked_fill(~mask, torch.finfo(body.dtype).min)
-    recorded = Cache(layer_class_to_replicate=_RecordingLayer)
-    first = body(input_ids=input_ids[:1, :prefix], attention_mask=attention_mask[:1, :prefix],
-                 past_key_values=recorded, use_cache=True).last_hidden_state[0]
-    view = Cache(layers=[_PrefixView(layer, 1) for layer in recorded.layers])
+    first, view = _prefix_pass(body, input_ids, attention_mask, prefix, 1)
     rest = body(input_ids=ids[None], attention_mask=mask, past_key_values=view, position_ids=position[None],
                 use_cache=True).last_hidden_state[0]
     row, col = target_mask[:, 1:].bool().nonzero(as_tuple=True)  # col predicts token col + 1, row-major
     index = torch.where(col < prefix, col, prefix + starts[row] + col - prefix)
-    return torch.cat([first, rest])[index]
+    return torch.cat([first[0], rest])[index]
+
+
+def _prefix_pass(body: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix: int,
+                 batch: int) -> tuple[torch.Tensor, Cache]:
+    """Row 0's first ``prefix`` tokens through ``body`` once: their hidden states ``[1, prefix, H]``
+    and a read-only cache of their keys/values broadcast to ``batch`` rows (replay-safe)."""
+    recorded = Cache(layer_class_to_replicate=_RecordingLayer)
+    first = body(input_ids=input_ids[:1, :prefix], attention_mask=attention_mask[:1, :prefix],
+                 past_key_values=recorded, use_cache=True).last_hidden_state
+    return first, Cache(layers=[_PrefixView(layer, batch) for layer in recorded.layers])
+
+
+def prefix_run(shared: int, width: int, min_shared_prefix: int = 32) -> int:
+    """How many leading tokens :func:`token_logprobs` runs once for rows of (bucketed) ``width``
+    that share ``shared`` tokens: rounded down to :data:`SHAPE_BUCKET`, at least one token left
+    after it; 0 (no shared pass) below ``min_shared_prefix``."""
+    prefix = min(shared, width - 1) // SHAPE_BUCKET * SHAPE_BUCKET
+    return prefix if prefix >= min_shared_prefix else 0
 
 
 def merge_and_save(peft_model: PeftModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> Path:

@@ -9,8 +9,8 @@ step's time and the gradient's norm; a ``load`` child that stops before the step
 The reward alternates 0/1 so that every sample has a non-zero advantage (the worst case for memory),
 but under ``--expert-guidance``, whose rewards are the environment's own. Execution fields vary:
 a variant's name joins ``seqsN`` (``micro_batch_size``, default the demo's), ``tokensN``
-(``micro_batch_tokens``), ``ckpt`` (``gradient_checkpointing``) and ``pack`` (``pack_suffixes``)
-with ``+``. One recipe field can vary too: ``fp32`` trains without bf16 autocast (``bf16 = false``;
+(``micro_batch_tokens``), ``ckpt`` (``gradient_checkpointing``), ``pack`` (``pack_suffixes`` true:
+every micro-batch packed) and ``autopack`` (``"auto"``: packed where estimated cheaper) with ``+``. One recipe field can vary too: ``fp32`` trains without bf16 autocast (``bf16 = false``;
 otherwise the trainer's ``auto``), a precision change, not an execution one, whose effect the
 gradient cosine shows. Each line also counts the forward positions the step runs against the tokens
 they hold (the rest is padding). ``--keep-samples`` keeps the played iteration, so that a later run
@@ -53,7 +53,8 @@ VARIANTS = "tokens6144,tokens4096,tokens2048,tokens6144+ckpt,tokens4096+ckpt,tok
 def variant_fields(name: str) -> dict:
     """The execution fields a variant's name sets: ``seqs4+tokens4096+ckpt`` -> micro_batch_size 4,
     micro_batch_tokens 4096, gradient_checkpointing on; an unnamed field keeps the demo's value but
-    the checkpointing and the packing, which are off unless named (``pack``: ``pack_suffixes``).
+    the checkpointing and the packing, which are off unless named (``pack``: ``pack_suffixes`` true,
+    ``autopack``: ``"auto"``).
     ``fp32`` sets ``bf16 = false``. ``engine`` sets no field: that child first plays one iteration
     through the pipeline's vLLM engine, so the step runs beside it as in training."""
     fields: dict = {"gradient_checkpointing": False, "pack_suffixes": False}
@@ -66,22 +67,25 @@ def variant_fields(name: str) -> dict:
             fields["bf16"] = False
         elif part == "pack":
             fields["pack_suffixes"] = True
+        elif part == "autopack":
+            fields["pack_suffixes"] = "auto"
         elif part.startswith("seqs") and part[4:].isdigit():
             fields["micro_batch_size"] = int(part[4:])
         elif part.startswith("tokens") and part[6:].isdigit():
             fields["micro_batch_tokens"] = int(part[6:])
         else:
-            raise SystemExit(f"variant {name!r}: {part!r} is none of seqsN, tokensN, ckpt, pack, fp32, engine")
+            raise SystemExit(f"variant {name!r}: {part!r} is none of seqsN, tokensN, ckpt, pack, autopack, fp32, engine")
     return fields
 
 
-def forward_positions(samples: list, config) -> tuple[int, int]:
+def forward_positions(samples: list, config, model_config) -> tuple[int, int]:
     """``(positions, tokens)`` of one optimizer step on ``samples`` under ``config``: the positions
     its forward passes run, as ``agent.lora.token_logprobs`` pads them (widths rounded up to
     ``SHAPE_BUCKET``, a shared prefix rounded down to it and run once, the rest packed into one
-    sequence under ``pack_suffixes``), and the tokens they hold
+    sequence under ``pack_suffixes``, or where ``pack_pays`` for the model of ``model_config`` under
+    ``"auto"``), and the tokens they hold
     (each micro-batch's shared prefix counted once). The difference is padding."""
-    from trace_assets.agent.lora import SHAPE_BUCKET, prefix_run
+    from trace_assets.agent.lora import SHAPE_BUCKET, pack_pays, packed_width, prefix_run
     from trace_assets.train.grpo import common_prefix_len, training_plan
 
     active, chunks = training_plan(samples, config)
@@ -91,8 +95,10 @@ def forward_positions(samples: list, config) -> tuple[int, int]:
         width = -(-max(map(len, rows)) // SHAPE_BUCKET) * SHAPE_BUCKET
         shared = min((common_prefix_len(rows[0], r) for r in rows[1:]), default=0)
         prefix = prefix_run(shared, width)
-        if config.pack_suffixes and prefix:  # the rows after the prefix as one sequence
-            positions += prefix + max(SHAPE_BUCKET, -(-sum(len(r) - prefix for r in rows) // SHAPE_BUCKET) * SHAPE_BUCKET)
+        suffixes = [len(r) - prefix for r in rows]
+        pack = config.pack_suffixes
+        if prefix and (pack_pays(suffixes, prefix, width, model_config) if pack == "auto" else pack):
+            positions += prefix + packed_width(suffixes)  # the rows after the prefix as one sequence
         else:
             positions += prefix + len(rows) * (width - prefix)
         tokens += shared + sum(len(r) - shared for r in rows)
@@ -206,6 +212,11 @@ def main() -> None:
                   flush=True)
             del trainer
             samples_file.write_bytes(pickle.dumps(samples))
+        from transformers import AutoConfig
+
+        from trace_assets.agent.model import resolve_model
+
+        model_config = AutoConfig.from_pretrained(resolve_model(args.agent or args.model))
         first, first_s = None, None
         names = [v.strip() for v in args.variants.split(",") if v.strip()]
         for name in names:
@@ -221,7 +232,7 @@ def main() -> None:
             row = json.loads(out)
             line = f"{name:29s} peak RSS {row['peak_rss_mb']:6d} MB"
             if name != "load":
-                positions, tokens = forward_positions(samples, replace(_config(args), **variant_fields(name)))
+                positions, tokens = forward_positions(samples, replace(_config(args), **variant_fields(name)), model_config)
                 line += f"  forward {positions} positions ({tokens} tokens)"
                 grad = torch.load(grad_file).double()
                 first = grad if first is None else first

@@ -504,6 +504,10 @@ def test_config_round_trips_and_profiles_state_their_differences():
     assert demo.lora_r == 16 and demo.beta == 0.0 and demo.epsilon == 0.2
     with pytest.raises(ValueError):
         GRPOConfig(groups=0)
+    assert GRPOConfig().pack_suffixes == "auto" and GRPOConfig(pack_suffixes=True).pack_suffixes is True
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="pack_suffixes"):
+            GRPOConfig(pack_suffixes=bad)
 
 
 def test_micro_batches_bound_sequences_and_padded_tokens():
@@ -545,12 +549,13 @@ def test_prefix_micro_batches_leave_the_gradient_unchanged(tiny_model_path, toke
     if bf16 and not bf16_supported():
         pytest.skip("no native bf16 here")
     config = replace(TINY, iterations=1, groups=2, samples_per_group=4, micro_batch_size=4, bf16=bf16, max_new_tokens=16)
-    layouts = {"sorted": {"prefix_micro_batches": False},
+    layouts = {"sorted": {"prefix_micro_batches": False, "pack_suffixes": False},
                "grouped": {"prefix_micro_batches": True, "pack_suffixes": False},
                "grouped+checkpointed": {"prefix_micro_batches": True, "pack_suffixes": False, "gradient_checkpointing": True},
                "grouped+packed": {"prefix_micro_batches": True, "pack_suffixes": True},
                "grouped+packed+checkpointed": {"prefix_micro_batches": True, "pack_suffixes": True,
-                                               "gradient_checkpointing": True}}
+                                               "gradient_checkpointing": True},
+               "grouped+auto": {"prefix_micro_batches": True, "pack_suffixes": "auto"}}
     grads, samples = {}, None
     for name, layout in layouts.items():
         torch.manual_seed(0)

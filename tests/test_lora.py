@@ -101,6 +101,30 @@ def test_packed_suffixes_match_the_plain_path(tiny_model_path, checkpointed):
         torch.testing.assert_close(g_packed[name], g_plain[name], atol=1e-4, rtol=1e-3)
 
 
+def test_auto_packing_packs_where_the_estimate_says_it_is_cheaper(tiny_model_path, monkeypatch):
+    """``pack="auto"``: short ragged rows after a long prompt are packed (the padding is most of
+    the padded batch), long rows are not (the packed attention's square dominates), and rows of one
+    length never are (packing removes no padding then). Either way the values are the plain path's."""
+    model = _peft(tiny_model_path)
+    config = model.get_base_model().config
+    assert lora.pack_pays([60, 30, 10, 5], 512, 640, config)
+    assert not lora.pack_pays([1500, 1300, 1100, 900, 700], 1024, 2560, config)
+    assert not lora.pack_pays([128] * 4, 512, 640, config)
+    packed: list[int] = []
+    real = lora._packed_hidden
+    monkeypatch.setattr(lora, "_packed_hidden", lambda *a, **k: (packed.append(1), real(*a, **k))[1])
+    for short_rows, expect_packed in ((3, True), (0, False)):  # rows of 356 tokens, or of 261
+        ids, att, tgt = _batch(prefix_len=256, suffix_len=100, rows=4)
+        att[:] = 1
+        att[4 - short_rows:, -95:] = 0
+        tgt = tgt * att
+        packed.clear()
+        auto = token_logprobs(model, ids, att, tgt, pack="auto")
+        assert bool(packed) == expect_packed
+        torch.testing.assert_close(auto, token_logprobs(model, ids, att, tgt, min_shared_prefix=10_000),
+                                   atol=1e-5, rtol=1e-5)
+
+
 def test_no_shared_prefix_and_single_row(tiny_model_path):
     model = _peft(tiny_model_path)
     ids, att, tgt = _batch(prefix_len=0, suffix_len=30)

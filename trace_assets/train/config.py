@@ -54,16 +54,17 @@ class GRPOConfig:
     decision-point prefix) runs once per micro-batch (``token_logprobs``' prefix broadcast) and
     counts once against ``micro_batch_tokens``. Off: sort by length alone. The same loss and
     gradient either way, up to float rounding (``tests/test_grpo.py``)."""
-    pack_suffixes: bool = False
+    pack_suffixes: bool | str = "auto"
     """Within a micro-batch, run what follows the shared prompt as one packed sequence (each sample
     attending to the prompt and to itself) instead of a batch padded to its longest sample
     (``token_logprobs``' ``pack``): the same loss and gradient up to float rounding, fewer positions
-    where a task's samples differ in length. Off by default: it pays only where the suffixes are
-    short beside the prompt. The packed attention grows with the square of the samples' summed
-    length, not with the sum of their squares. On a guided v12 iteration of the base policy (short
-    suffixes) it ran 8,704 forward positions instead of 12,160, a 1.34x faster step
-    (``benchmarks/grpo_memory.py``). On the 4th iteration's longer episodes the step took 501 s
-    instead of 215. ``micro_batch_tokens`` still counts the padded batch, a bound from above."""
+    where a task's samples differ in length, but an attention that grows with the square of the
+    samples' summed length rather than with the sum of their squares. ``"auto"`` chooses per
+    micro-batch by the estimated cost (``agent.lora.pack_pays``); true always packs, false never.
+    Always packing a guided v12 iteration of the base policy (short samples) ran 8,704 forward
+    positions instead of 12,160, a 1.34x faster step (``benchmarks/grpo_memory.py``); on the 4th
+    iteration's long episodes it took 501 s instead of 215. ``micro_batch_tokens`` still counts the
+    padded batch, a bound from above."""
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in backward: activation memory falls from ~1.6 GB per 1k
     tokens (SmolLM2-135M, bf16 autocast) to the layers' inputs, for about a third more compute. The
@@ -126,6 +127,8 @@ class GRPOConfig:
             raise ValueError("hint_is_cap must be > 0 and onpolicy_max_abs >= 0")
         if self.resample_rounds < 0 or self.warmup_iterations < 0:
             raise ValueError("resample_rounds and warmup_iterations must be >= 0")
+        if not (isinstance(self.pack_suffixes, bool) or self.pack_suffixes == "auto"):
+            raise ValueError(f'pack_suffixes must be true, false or "auto", not {self.pack_suffixes!r}')
         if not isinstance(self.expert_guidance, bool):
             raise ValueError(f"expert_guidance must be true or false, not {self.expert_guidance!r}")
 

@@ -461,7 +461,7 @@ def test_train_through_first_reply_leaves_the_turns_after_the_decision_out_of_th
 
 def test_expert_guidance_trains_the_experts_play_of_each_groups_task(tiny_model_path, tokenizer, tmp_path):
     """``expert_guidance``: each group gains the expert's play of its task (plain prompt, scored by
-    the environment, normalized with the group's K rewards). Only what the expert wrote after the
+    the environment or by the trainer's ``reward_fn``, normalized with the group's K rewards). Only what the expert wrote after the
     episode's start is trained; its tokens stay out of the on-policy guard (their 0.0 "sampler"
     log-probs would trip it: the real sampler runs with the guard on here) and out of the metrics."""
     env = _env(hint_share=1.0)
@@ -489,9 +489,11 @@ def test_expert_guidance_trains_the_experts_play_of_each_groups_task(tiny_model_
     metrics = GRPOTrainer(load_model(str(tiny_model_path))[0], tokenizer, env, config, tmp_path / "step").step()
     assert metrics.demo_reward == 1.0 and metrics.onpolicy_mean_abs is not None and metrics.onpolicy_mean_abs < 0.25
     assert metrics.success_rate < 1.0  # the random tiny model's own draw, without the expert's
-    with pytest.raises(ValueError, match="reward_fn"):
-        GRPOTrainer(load_model(str(tiny_model_path))[0], tokenizer, env, config, tmp_path / "x",
-                    reward_fn=lambda rollout: 0.0)
+    # A reshaped reward (the experiment's binary-reward ablation) scores the expert's play too.
+    halved = GRPOTrainer(load_model(str(tiny_model_path))[0], tokenizer, env, config, tmp_path / "x",
+                         reward_fn=lambda rollout: 0.5 * float(rollout.result.success))
+    demos = [s for s in halved.collect(1)[1] if s.demo]
+    assert len(demos) == 2 and all(d.reward == 0.5 and d.success for d in demos)
 
 
 def test_config_round_trips_and_profiles_state_their_differences():
@@ -508,6 +510,20 @@ def test_config_round_trips_and_profiles_state_their_differences():
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="pack_suffixes"):
             GRPOConfig(pack_suffixes=bad)
+
+
+def test_the_experiment_trains_the_recipe_its_learning_curve_measured():
+    """``make experiment`` trains with GUIDED_GRPO, and GUIDED_GRPO is the recipe whose held-out
+    learning curve the README cites (the same identity; execution fields may differ)."""
+    import json
+    from pathlib import Path
+
+    from trace_assets.settings import GUIDED_GRPO, PROFILES
+
+    stored = Path(__file__).resolve().parent.parent / "docs/transfer/heldout_v12_guidedfix_wu3_e48_fp32.json"
+    measured = GRPOConfig.from_dict(json.loads(stored.read_text())["grpo"])
+    assert replace(measured, seed=GUIDED_GRPO.seed).identity() == GUIDED_GRPO.identity()
+    assert PROFILES["experiment"].train.grpo == GUIDED_GRPO and GUIDED_GRPO.expert_guidance
 
 
 def test_micro_batches_bound_sequences_and_padded_tokens():

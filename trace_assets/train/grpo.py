@@ -477,7 +477,8 @@ class GRPOTrainer:
     """GRPO with a LoRA adapter on a frozen base (see the module docstring for the contract).
 
     ``model`` is a plain causal LM (the base; an adapter is added) or a ``PeftModel`` to continue.
-    ``reward_fn`` overrides ``rollout.result.reward`` (reward shaping); ``backend_factory(model,
+    ``reward_fn`` overrides ``rollout.result.reward`` (reward shaping), for the expert's
+    demonstrations too; ``backend_factory(model,
     tokenizer)`` overrides the generation backend (default: :class:`TransformersBackend`).
     """
 
@@ -520,8 +521,6 @@ class GRPOTrainer:
         self.tools = env.tool_schemas()
         self.plain_prompt = env.system_prompt()
         self.expert = _expert(env) if config.expert_guidance else None
-        if self.expert is not None and reward_fn is not None:
-            raise ValueError("expert_guidance scores the expert with the environment's own reward; reward_fn replaces it")
 
     # ---- checkpoints -----------------------------------------------------------------------
 
@@ -656,7 +655,8 @@ class GRPOTrainer:
         return rollouts, samples
 
     def _demonstration(self, task: Task, iteration: int) -> Sample:
-        """The expert's play of ``task`` (plain prompt) as a sample; its advantage is set by the caller."""
+        """The expert's play of ``task`` (plain prompt) as a sample, rewarded as the group's samples are
+        (``reward_fn`` where one is given, else the environment's reward); its advantage is set by the caller."""
         from trace_assets.agent.warmstart import tokenize_demo
         from trace_assets.synthesize.env import without_hint
 
@@ -668,8 +668,11 @@ class GRPOTrainer:
             raise RolloutError(f"the expert's demonstration failed: {type(exc).__name__}: {exc}", iteration=iteration,
                                task_id=task.task_id, checkpoint=self.latest_checkpoint()) from exc
         ids, mask = tokenize_demo(self.tokenizer, messages, self.tools, self.config.max_context_tokens, start=opening)
+        # scored as the group's samples are: by reward_fn where one reshapes the reward
+        reward = self._reward(Rollout(task=task, messages=messages, token_ids=ids, env_mask=mask,
+                                      prompt_len=mask.index(1) if 1 in mask else len(ids), result=result), iteration)
         return trim(Sample(token_ids=ids, loss_mask=mask, old_logprobs=[0.0] * len(ids), advantage=0.0,
-                           rollout_old=False, task_id=task.task_id, reward=float(result.reward),
+                           rollout_old=False, task_id=task.task_id, reward=reward,
                            success=bool(result.success), demo=True))
 
     def _reward(self, rollout: Rollout, iteration: int) -> float:

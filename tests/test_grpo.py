@@ -506,7 +506,7 @@ def test_config_round_trips_and_profiles_state_their_differences():
     assert demo.lora_r == 16 and demo.beta == 0.0 and demo.epsilon == 0.2
     with pytest.raises(ValueError):
         GRPOConfig(groups=0)
-    assert GRPOConfig().pack_suffixes == "auto" and GRPOConfig(pack_suffixes=True).pack_suffixes is True
+    assert GRPOConfig().pack_suffixes is False and GRPOConfig(pack_suffixes="auto").pack_suffixes == "auto"
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="pack_suffixes"):
             GRPOConfig(pack_suffixes=bad)

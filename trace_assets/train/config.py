@@ -54,17 +54,19 @@ class GRPOConfig:
     decision-point prefix) runs once per micro-batch (``token_logprobs``' prefix broadcast) and
     counts once against ``micro_batch_tokens``. Off: sort by length alone. The same loss and
     gradient either way, up to float rounding (``tests/test_grpo.py``)."""
-    pack_suffixes: bool | str = "auto"
+    pack_suffixes: bool | str = False
     """Within a micro-batch, run what follows the shared prompt as one packed sequence (each sample
     attending to the prompt and to itself) instead of a batch padded to its longest sample
     (``token_logprobs``' ``pack``): the same loss and gradient up to float rounding, fewer positions
     where a task's samples differ in length, but an attention that grows with the square of the
-    samples' summed length rather than with the sum of their squares. ``"auto"`` chooses per
-    micro-batch by the estimated cost (``agent.lora.pack_pays``); true always packs, false never.
-    Always packing a guided v12 iteration of the base policy (short samples) ran 8,704 forward
-    positions instead of 12,160, a 1.34x faster step (``benchmarks/grpo_memory.py``); on the 4th
-    iteration's long episodes it took 501 s instead of 215. ``micro_batch_tokens`` still counts the
-    padded batch, a bound from above."""
+    samples' summed length rather than with the sum of their squares. True always packs; ``"auto"``
+    packs a micro-batch where a multiply-add estimate says it is cheaper (``agent.lora.pack_pays``).
+    Off by default: neither paid in a real run. Seed 0 of the guided recipe trained the very same
+    samples three times (``benchmarks/learning_curve.py``, float32, checkpointing); its 4 optimizer
+    steps took 116 / 103 / 96 / 215 s unpacked, 106 / 100 / 102 / 308 s under ``"auto"`` and
+    106 / 103 / 114 / 501 s always packed. Alone on kept samples of the base policy's iteration the
+    packed step was 1.34x faster (``benchmarks/grpo_memory.py``), a gain the run did not keep.
+    ``micro_batch_tokens`` still counts the padded batch, a bound from above."""
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in backward: activation memory falls from ~1.6 GB per 1k
     tokens (SmolLM2-135M, bf16 autocast) to the layers' inputs, for about a third more compute. The

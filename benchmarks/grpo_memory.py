@@ -10,8 +10,9 @@ The reward alternates 0/1 so that every sample has a non-zero advantage (the wor
 but under ``--expert-guidance``, whose rewards are the environment's own. Execution fields vary:
 a variant's name joins ``seqsN`` (``micro_batch_size``, default the demo's), ``tokensN``
 (``micro_batch_tokens``), ``ckpt`` (``gradient_checkpointing``), ``pack`` (``pack_suffixes`` true:
-every micro-batch packed) and ``autopack`` (``"auto"``: packed where estimated cheaper) with ``+``. One recipe field can vary too: ``fp32`` trains without bf16 autocast (``bf16 = false``;
-otherwise the trainer's ``auto``), a precision change, not an execution one, whose effect the
+every micro-batch packed) and ``autopack`` (``"auto"``: packed where estimated cheaper) with ``+``.
+One recipe field can vary too: ``fp32`` trains without bf16 autocast (``bf16 = false``; otherwise
+the trainer's ``auto``), a precision change, not an execution one, whose effect the
 gradient cosine shows. Each line also counts the forward positions the step runs against the tokens
 they hold (the rest is padding). ``--keep-samples`` keeps the played iteration, so that a later run
 steps on the very same samples. ``engine`` plays an
@@ -82,10 +83,9 @@ def forward_positions(samples: list, config, model_config) -> tuple[int, int]:
     """``(positions, tokens)`` of one optimizer step on ``samples`` under ``config``: the positions
     its forward passes run, as ``agent.lora.token_logprobs`` pads them (widths rounded up to
     ``SHAPE_BUCKET``, a shared prefix rounded down to it and run once, the rest packed into one
-    sequence under ``pack_suffixes``, or where ``pack_pays`` for the model of ``model_config`` under
-    ``"auto"``), and the tokens they hold
+    sequence where ``agent.lora.packs`` says so for the model of ``model_config``), and the tokens they hold
     (each micro-batch's shared prefix counted once). The difference is padding."""
-    from trace_assets.agent.lora import SHAPE_BUCKET, pack_pays, packed_width, prefix_run
+    from trace_assets.agent.lora import SHAPE_BUCKET, packed_width, packs, prefix_run
     from trace_assets.train.grpo import common_prefix_len, training_plan
 
     active, chunks = training_plan(samples, config)
@@ -96,8 +96,7 @@ def forward_positions(samples: list, config, model_config) -> tuple[int, int]:
         shared = min((common_prefix_len(rows[0], r) for r in rows[1:]), default=0)
         prefix = prefix_run(shared, width)
         suffixes = [len(r) - prefix for r in rows]
-        pack = config.pack_suffixes
-        if prefix and (pack_pays(suffixes, prefix, width, model_config) if pack == "auto" else pack):
+        if prefix and packs(config.pack_suffixes, suffixes, prefix, width, model_config):
             positions += prefix + packed_width(suffixes)  # the rows after the prefix as one sequence
         else:
             positions += prefix + len(rows) * (width - prefix)

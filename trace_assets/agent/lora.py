@@ -200,9 +200,7 @@ def token_logprobs(
     input_ids, attention_mask, target_mask = _pad_to_bucket(input_ids, attention_mask, target_mask)
     shared = shared_prefix_len(input_ids, attention_mask) if input_ids.shape[0] > 1 else 0
     prefix = prefix_run(shared, input_ids.shape[1], min_shared_prefix)
-    if prefix and pack == "auto":
-        pack = pack_pays((attention_mask.sum(dim=1) - prefix).tolist(), prefix, input_ids.shape[1], body.config)
-    if prefix and pack:
+    if prefix and packs(pack, (attention_mask.sum(dim=1) - prefix).tolist(), prefix, input_ids.shape[1], body.config):
         hidden = _packed_hidden(body, input_ids, attention_mask, target_mask, prefix)
     else:
         if prefix:
@@ -226,6 +224,12 @@ def packed_width(suffixes: Sequence[int]) -> int:
     """Width of :func:`token_logprobs`' packed sequence for rows of ``suffixes`` tokens after the
     shared prefix: their sum rounded up to a :data:`SHAPE_BUCKET` multiple."""
     return max(SHAPE_BUCKET, -(-sum(suffixes) // SHAPE_BUCKET) * SHAPE_BUCKET)
+
+
+def packs(pack: bool | str, suffixes: Sequence[int], prefix: int, width: int, config: Any) -> bool:
+    """Whether :func:`token_logprobs` under ``pack`` (true, false or ``"auto"``) runs the rows of
+    ``suffixes`` tokens after a shared ``prefix`` (> 0) as one packed sequence."""
+    return pack_pays(suffixes, prefix, width, config) if pack == "auto" else bool(pack)
 
 
 def pack_pays(suffixes: Sequence[int], prefix: int, width: int, config: Any) -> bool:

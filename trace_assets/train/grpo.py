@@ -478,8 +478,8 @@ class GRPOTrainer:
 
     ``model`` is a plain causal LM (the base; an adapter is added) or a ``PeftModel`` to continue.
     ``reward_fn`` overrides ``rollout.result.reward`` (reward shaping), for the expert's
-    demonstrations too; ``backend_factory(model,
-    tokenizer)`` overrides the generation backend (default: :class:`TransformersBackend`).
+    demonstrations too; ``backend_factory(model, tokenizer)`` overrides the generation backend
+    (default: :class:`TransformersBackend`).
     """
 
     def __init__(
@@ -668,7 +668,6 @@ class GRPOTrainer:
             raise RolloutError(f"the expert's demonstration failed: {type(exc).__name__}: {exc}", iteration=iteration,
                                task_id=task.task_id, checkpoint=self.latest_checkpoint()) from exc
         ids, mask = tokenize_demo(self.tokenizer, messages, self.tools, self.config.max_context_tokens, start=opening)
-        # scored as the group's samples are: by reward_fn where one reshapes the reward
         reward = self._reward(Rollout(task=task, messages=messages, token_ids=ids, env_mask=mask,
                                       prompt_len=mask.index(1) if 1 in mask else len(ids), result=result), iteration)
         return trim(Sample(token_ids=ids, loss_mask=mask, old_logprobs=[0.0] * len(ids), advantage=0.0,

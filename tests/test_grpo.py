@@ -180,6 +180,8 @@ def test_real_iterations_train_only_the_adapter_and_resume_after_a_crash(tiny_mo
     first = trainer.history[0]
     assert first.iteration == 1 and first.optimizer_steps == 1 and first.trained_sequences == 4
     assert math.isfinite(first.loss) and first.grad_norm > 0 and first.gen_time_s > 0 and first.opt_time_s > 0
+    # what the step's cost follows: every trained sequence's prompt as well as its generated tokens
+    assert first.sequence_tokens > first.loss_tokens + first.trained_sequences and first.micro_batches >= 1
     # the real sampler is the trained policy: the on-policy gap is numerics only (fp32 sampling against
     # the trainer's bf16 autocast where the CPU has it: ~0.025 nats here), far below the guard's bound
     assert first.onpolicy_mean_abs is not None and first.onpolicy_mean_abs < 0.1 and 0 <= first.onpolicy_kl < 0.01
@@ -208,6 +210,7 @@ def test_real_iterations_train_only_the_adapter_and_resume_after_a_crash(tiny_mo
     result = resumed.train()
     assert [m.iteration for m in seen] == [2]
     assert [m.iteration for m in result.history] == [1, 2] and result.resumed_from == 1
+    assert result.history[0].sequence_tokens == first.sequence_tokens  # the checkpoint's history keeps it
     assert (result.adapter_dir / "adapter_model.safetensors").is_file()
     assert (tmp_path / "summary.json").is_file()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["iter-0001", "iter-0002"]

@@ -387,6 +387,11 @@ class IterationMetrics:
     """Groups of the trained batch whose rewards do not all tie (None: not recorded)."""
     demo_reward: float | None = None
     """Mean reward of the expert's demonstrations in the trained batch (None: no guidance)."""
+    sequence_tokens: int | None = None
+    """Tokens of the trained sequences, prompts included: what the optimizer step's cost follows,
+    where ``loss_tokens`` counts only the generated ones (None: not recorded)."""
+    micro_batches: int | None = None
+    """Forward/backward passes per optimizer step (None: not recorded)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -394,8 +399,10 @@ class IterationMetrics:
     def line(self) -> str:
         """One progress line, as the assets log it."""
         return (f"iteration {self.iteration}: reward {self.mean_reward:.3f}, success {self.success_rate:.2f}, "
-                f"loss {self.loss:.4f}, trained {self.trained_sequences} seqs / {self.loss_tokens} tokens, "
-                f"on-policy |d| {_fmt(self.onpolicy_mean_abs)} KL {_fmt(self.onpolicy_kl)}, "
+                f"loss {self.loss:.4f}, trained {self.trained_sequences} seqs / {self.loss_tokens} tokens"
+                + (f" ({self.sequence_tokens} in context, {self.micro_batches} micro-batches), "
+                   if self.sequence_tokens is not None else ", ")
+                + f"on-policy |d| {_fmt(self.onpolicy_mean_abs)} KL {_fmt(self.onpolicy_kl)}, "
                 + (f"KL to the base {self.kl:.4f}, " if self.kl else "")  # measured only with beta > 0
                 + (f"expert's reward {self.demo_reward:.2f}, " if self.demo_reward is not None else "")
                 + (f"{self.resampled_groups} group{'s' * (self.resampled_groups != 1)} re-sampled, "
@@ -723,6 +730,7 @@ class GRPOTrainer:
         active, chunks = training_plan(samples, cfg)
         stats = {"loss": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0, "kl": 0.0, "steps": 0,
                  "trained_sequences": len(active), "loss_tokens": n_tokens,
+                 "sequence_tokens": sum(len(s.token_ids) for s in active), "micro_batches": len(chunks),
                  "onpolicy_mean_abs": None, "onpolicy_kl": None}
         if not active or n_tokens == 0:
             return stats  # no signal: an optimizer step would only apply Adam's momentum
@@ -821,6 +829,7 @@ class GRPOTrainer:
             resampled_groups=(len(samples) - cfg.groups * cfg.group_size) // cfg.group_size,
             informative_groups=int((trained.std(dim=1, unbiased=False) > 0).sum()),
             demo_reward=(sum(d) / len(d) if (d := [s.reward for s in samples if s.kept and s.demo]) else None),
+            sequence_tokens=int(stats["sequence_tokens"]), micro_batches=int(stats["micro_batches"]),
         )
         self.iteration = iteration
         self.history.append(metrics)

@@ -87,7 +87,7 @@ def main() -> None:
             rollouts2, _ = trainer.collect(2)  # after the optimizer step: vLLM hot-loads the adapter
             gen2 = time.perf_counter() - start
         generated = sum(r.n_generated for r in rollouts)
-        trained = sum(len(s.token_ids) for s in samples)
+        trained = int(stats["sequence_tokens"])  # the trained samples' tokens, prompts included
         report = {
             "backend": backend, "model": args.model, "episodes": len(rollouts), "generated_tokens": generated,
             "trained_sequence_tokens": trained, "loss_tokens": int(stats["loss_tokens"]),

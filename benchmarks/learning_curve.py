@@ -28,7 +28,10 @@ draw of the profile: ``--profile experiment`` holds 10 tasks per family) greedil
 folder's store call the capability LACKING on train-side trajectories (``--families`` names them
 instead). Reported: each seed's successes, and the mean over seeds with a paired bootstrap interval
 over tasks x seeds (``experiment.stats``) for adapter, null, adapter - base and adapter - null. The
-test split only measures here: nothing above is chosen by it.
+test split only measures here: nothing above is chosen by it. With ``--select`` the same measurement
+plays the target's ``train`` split instead (``--target-split``; the test split is refused there), so
+that a choice can weigh what an adapter does to the target's train-side tasks: an adapter can gain on
+its environment and lose on the target, where the other capabilities it stopped using are needed.
 
 Recorded per evaluation point: training wall time so far (the trainer's iterations, checkpoints
 included; evaluations excluded and timed apart), training rollouts and tokens so far (tokens the
@@ -372,7 +375,7 @@ def target_table(result: dict[str, Any]) -> Any:
     from trace_assets.experiment.stats import Interval
 
     t = result["target_test"]
-    out = Table(title=f"target test split, greedy: {t['n_tasks']} tasks of {', '.join(t['families'])} "
+    out = Table(title=f"target {t.get('split', 'test')} split, greedy: {t['n_tasks']} tasks of {', '.join(t['families'])} "
                       f"(mean over seeds, 95 % paired bootstrap over tasks x seeds)")
     for column in ("system", *[f"seed {s}" for s in t["per_seed"]], "success % [95 % CI]"):
         out.add_column(column, justify="right" if column != "system" else "left")
@@ -430,7 +433,8 @@ def target_figure(result: dict[str, Any]) -> bytes:
               "paired differences": [{"label": k, **v} for k, v in t["differences"].items()]}
     n = len(t["per_seed"])
     return forest_plot(panels, reference={"paired differences": 0.0}, xlabels={"success per system": "success, %"},
-                       title=f"E_{result['capability']} adapters on the target test split: {t['n_tasks']} tasks of "
+                       title=f"E_{result['capability']} adapters on the target {t.get('split', 'test')} split: "
+                             f"{t['n_tasks']} tasks of "
                              f"{len(t['families'])} families x {n} seed{'s' if n != 1 else ''}, 95 % paired "
                              "bootstrap over tasks x seeds")
 
@@ -482,7 +486,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--vllm-dtype", default=None, help="auto | float32 | bfloat16 (default: [generation] vllm_dtype)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--target-test", action="store_true",
-                    help="after training, play the target's test split with each adapter, its null and the base")
+                    help="after training, play the target's tasks (--target-split) with each adapter, its null and the base")
+    ap.add_argument("--target-split", choices=("train", "test"), default=None,
+                    help="the target split --target-test plays: test for a held-out measurement (the default), "
+                         "train with --select (the default there; test is refused: choices are never made on it)")
     ap.add_argument("--families", default=None,
                     help="--target-test on these families, comma-separated, or 'all' (default: where the store's "
                          "Step-1 labels call the capability LACKING on the train side)")
@@ -521,6 +528,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                               "vllm_dtype": args.vllm_dtype or pipeline.vllm_dtype})
     tokenizer = load_tokenizer(agent)
     target = get_environment("retail")
+    target_split = args.target_split or ("train" if args.select else "test")
+    if args.select and target_split == "test":
+        raise SystemExit("--select chooses settings, and the target's test split is for measuring only: "
+                         "use --target-split train (the default with --select)")
     families = None  # --families given: checked before the environment is built and calibrated
     if args.target_test and args.families == "all":
         families = list(target.families())
@@ -562,14 +573,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             if not families:
                 raise SystemExit(f"the store {paths.duckdb_path()} has no train-side trajectory labelled "
                                  f"{env.capability} LACKING: run Step 1 there, or pass --families")
-        tasks = [t for t in task_list(target, settings, "test") if t.family in families]
+        tasks = [t for t in task_list(target, settings, target_split) if t.family in families]
         pool = TaskPoolEnv(target, tasks)
         test_config = EvalConfig.from_limits(settings.rollout, n_tasks=len(tasks), seed_offset=0)
         target_eval = (pool, test_config)
-        target_info = {"families": families, "family_source": args.families or "LACKING in the store's Step-1 labels",
+        target_info = {"split": target_split, "families": families,
+                       "family_source": args.families or "LACKING in the store's Step-1 labels",
                        "task_ids": [t.task_id for t in pool.sample_tasks(len(tasks))], "max_steps": test_config.max_steps,
                        "max_new_tokens": test_config.max_new_tokens, "greedy": True}
-        log(f"target test: {len(tasks)} tasks of {families} ({target_info['family_source']})")
+        log(f"target {target_split} split: {len(tasks)} tasks of {families} ({target_info['family_source']})")
     out = Path(args.out) if args.out else paths.sub("reports", "learning_curve") / (
         f"{env.capability}_{'validation' if args.select else 'heldout'}")
     files = {suffix: out.with_name(out.name + suffix)

@@ -1,7 +1,7 @@
 """benchmarks/learning_curve.py runs end to end on the tiny model: one GRPO iteration, evaluated
 before and after, JSON and PNG written; --select evaluates on train-side validation seeds;
---target-test plays the target's test split with the adapter, its null and the base, on the
-families the store's labels call LACKING."""
+--target-test plays the target's test split with the adapter, its null and the base (its train
+split under --select), on the families the store's labels call LACKING."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def test_the_success_gain_has_a_paired_interval_over_tasks_and_seeds():
     assert "success_gain_interval" not in summarize([{"seed": 0, "points": run(0, [1], [1])["points"][:1]}])
 
 
-def test_target_test_plays_the_test_split_with_adapter_null_and_base(tmp_path, monkeypatch, tiny_model_path):
+def test_target_test_plays_the_test_split_to_measure_and_the_train_split_to_choose(tmp_path, monkeypatch, tiny_model_path):
     monkeypatch.setenv("TRACE_DATA_DIR", str(tmp_path / "data"))
     module = _module()
     result = module.main([
@@ -120,6 +120,24 @@ def test_target_test_plays_the_test_split_with_adapter_null_and_base(tmp_path, m
     with pytest.raises(SystemExit, match="not families"):
         module.main(["--agent", str(tiny_model_path), "--profile", "tiny", "--no-calibrate", "--seeds", "0",
                      "--target-test", "--families", "nope", "--backend", "transformers"])
+    assert t["split"] == "test"
+    # choosing (--select) never plays the test split: train by default, test refused before any work
+    with pytest.raises(SystemExit, match="for measuring only"):
+        module.main(["--agent", str(tiny_model_path), "--profile", "tiny", "--no-calibrate", "--seeds", "0", "--select",
+                     "--target-test", "--target-split", "test", "--families", "cancel_pending", "--backend", "transformers"])
+    chosen = module.main([
+        "--agent", str(tiny_model_path), "--profile", "tiny", "--capability", "confirm_before_writing", "--no-calibrate",
+        "--iterations", "1", "--groups", "1", "--samples", "2", "--max-steps", "1", "--max-new-tokens", "4",
+        "--eval-tasks", "1", "--eval-every", "1", "--seeds", "0", "--backend", "transformers", "--select",
+        "--resample-rounds", "0", "--target-test", "--families", "cancel_pending", "--out", str(tmp_path / "chosen")])
+    from benchmarks.target_success import task_list
+    from trace_assets.envs import get_environment
+    from trace_assets.settings import load_settings
+
+    train = {x.task_id for x in task_list(get_environment("retail"), load_settings("tiny"), "train")}
+    played = chosen["target_test"]
+    assert played["split"] == "train" and played["task_ids"] and set(played["task_ids"]) <= train
+    assert not set(played["task_ids"]) & set(t["task_ids"])
 
 
 def test_lacking_families_come_from_the_train_side_labels(tmp_path, monkeypatch):

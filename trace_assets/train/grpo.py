@@ -388,8 +388,9 @@ class IterationMetrics:
     demo_reward: float | None = None
     """Mean reward of the expert's demonstrations in the trained batch (None: no guidance)."""
     sequence_tokens: int | None = None
-    """Tokens of the trained sequences, prompts included: what the optimizer step's cost follows,
-    where ``loss_tokens`` counts only the generated ones (None: not recorded)."""
+    """Tokens of the trained sequences, each with its prompt (a prompt that a micro-batch runs once
+    is counted for every sequence sharing it): what the optimizer step's cost follows, where
+    ``loss_tokens`` counts only the generated ones (None: not recorded)."""
     micro_batches: int | None = None
     """Forward/backward passes per optimizer step (None: not recorded)."""
 

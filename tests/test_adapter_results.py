@@ -97,6 +97,55 @@ def test_promotion_refuses_an_adapter_that_stopped_passing_a_shaping_check() -> 
     assert promotion({"base": base, "adapter": kept, "null": null})["promoted"]
 
 
+def test_promotion_refuses_an_adapter_that_does_harm_on_the_targets_train_tasks() -> None:
+    """What the E_confirm_before_writing adapter of the first guided experiment's seed 0 did: success
+    on its environment rose, and on the target it stopped making the writes the target needs. The
+    target guard plays the target's train tasks of the LACKING families; a significant loss of
+    success there refuses the adapter. The target's checks are reported beside it: a check that
+    falls while success does not is a trade, not a refusal."""
+    from trace_assets.train.heldout import _report as report_of
+
+    def target(state_match, informed):
+        def info(s, i):
+            return {"checks": [{"id": "state_match", "passed": s}, {"id": "info_communicated", "passed": i},
+                               {"id": "confirmed_writes", "passed": True}]}
+        return [SimpleNamespace(result=SimpleNamespace(reward=float(s and i), success=s and i, info=info(s, i)))
+                for s, i in zip(state_match, informed)]
+
+    base_ok, strong = [False] * 8 + [True] * 8, [True] * 16
+    synthetic = {"base": _report("base", base_ok), "adapter": _report("adapter", strong), "null": _report("null", base_ok)}
+    base = report_of("base", target([True] * 12 + [False] * 12, [True] * 24))
+    assert base.shaping == [] and base.check_counts()["state_match"] == [12, 24]
+    silent = report_of("adapter", target([True] * 2 + [False] * 22, [True] * 24))  # asks, then does not write
+    lacking = [True] * 4 + [False] * 20  # the capability was LACKING in the family of the first 4
+    gate = promotion(synthetic, target={"base": base, "adapter": silent, "lacking": lacking})
+    assert gate["vs_base"]["p_greater"] < 0.05 and gate["vs_null"]["p_greater"] < 0.05  # its environment alone passes
+    assert not gate["promoted"]
+    assert gate["target_guard"]["success"] == {"applicable": 24, "base": 12, "adapter": 2, "p_greater": pytest.approx(1 / 1024)}
+    assert gate["target_guard"]["state_match"]["adapter"] == 2  # where the loss comes from
+    assert gate["target_guard"]["success_lacking_families"] == {"applicable": 4, "base": 4, "adapter": 2,
+                                                                "p_greater": pytest.approx(1 / 4)}
+    assert "it succeeds on 2, base 12 (on the 4 of its LACKING families: 2, base 4)" in gate["reason"]
+    assert "succeeds less often than the base" in gate["reason"]
+    # more writes right, fewer details told, more successes: a trade the guard reports and lets through
+    traded = report_of("adapter", target([True] * 20 + [False] * 4, [True] * 6 + [False] * 6 + [True] * 12))
+    ok = promotion(synthetic, target={"base": base, "adapter": traded})
+    assert ok["target_guard"]["info_communicated"]["p_greater"] < 0.05 and ok["target_guard"]["success"]["adapter"] == 14
+    assert ok["promoted"] and "nor success on the target's train tasks" in ok["reason"]
+    # without the guard's episodes the gate says it did not measure them
+    assert "the target guard measured nothing" in promotion(synthetic)["reason"]
+
+
+def test_guard_tasks_take_every_family_in_turn() -> None:
+    from trace_assets.train.heldout import guard_tasks
+
+    tasks = [SimpleNamespace(task_id=f"{f}/{i}", family=f) for f in ("a", "b", "c") for i in range(3)]
+    # the LACKING families first, in the order given, then the others, one task of each in turn
+    assert [t.task_id for t in guard_tasks(tasks, ["c", "a"], 5)] == ["c/0", "a/0", "b/0", "c/1", "a/1"]
+    assert [t.task_id for t in guard_tasks(tasks, ["b"], 2)] == ["b/0", "a/0"]
+    assert len(guard_tasks(tasks, [], 100)) == 9 and guard_tasks(tasks, ["a"], 0) == []
+
+
 def test_agent_identity_tells_dtype_backend_adapter_and_warm_start_apart() -> None:
     vllm = lambda dtype: SimpleNamespace(name="vllm", engine=SimpleNamespace(options=SimpleNamespace(dtype=dtype)))
     hf = SimpleNamespace(name="transformers", bf16=False)

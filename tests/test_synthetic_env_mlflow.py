@@ -140,18 +140,36 @@ def test_a_target_without_an_expert_gets_logged_decision_points(tmp_path, monkey
     assert run.data.params["isolation_method"] == LOGGED_WEAKER and run.data.metrics["check_passed"] == 1.0
 
     # Step 3 trains on it: GRPO on train-side prefixes, the fidelity probe on logged conversations,
-    # the held-out comparison on the held-out prefixes, each once.
+    # the held-out comparison on the held-out prefixes, each once; then the target guard plays the
+    # target's train tasks of the families where the labels (of the env's dictionary) say LACKING.
     import trace_assets.assets.train as train_assets
 
     monkeypatch.setattr(train_assets, "get_environment", lambda name: target)
     held_out = [p["trajectory_id"] for p in spec["prefixes"] if p["side"] == "held_out"]
+    assert value["dictionary_version"] == "dict-v"
+    logged_tasks = [retail.make_task(("cancel_pending", "modify_address", "return_delivered")[seed % 3], seed)
+                    for seed in range(20)]  # the logs' tasks, as above
+    train_tasks = [retail.make_task("order_status", 7_000), *logged_tasks]
+    lacking = sorted({t.family for t, r in zip(logged_tasks, records)
+                      if any(row[0] == r["trajectory_id"] and row[3] == "LACKING" for row in rows)})
+    assert len(lacking) >= 2
     with DagsterInstance.ephemeral() as instance:
         context = build_asset_context(partition_key=CAP, instance=instance)
         adapter = train_assets.train_capability_adapter(
             context, PROFILES["tiny"], CAP, models=ModelResource(base_model="tiny", generation_backend="transformers"),
-            mlflow=MlflowRegistry(), synthetic_env=value, base_agent={"path": str(tiny_model_path), "checksum": None})
+            mlflow=MlflowRegistry(), store=store, synthetic_env=value, task_splits={"train": [t.to_dict() for t in train_tasks]},
+            base_agent={"path": str(tiny_model_path), "checksum": None})
     assert adapter.value["rollouts"] > 0 and Path(adapter.value["adapter_dir"]).is_dir()
     assert adapter.value["reward_before"]["n"] == adapter.value["reward_after"]["n"] == min(PROFILES["tiny"].train.eval_tasks, len(held_out))
+    guard = adapter.value["target_guard"]
+    assert guard["lacking_families"] == lacking  # order_status: no LACKING log there
+    first = {f: next(t.task_id for t in logged_tasks if t.family == f) for f in lacking}
+    assert guard["task_ids"] == [first[lacking[0]], first[lacking[1]]]  # guard_tasks 2: LACKING families first, in turn
+    assert guard["base"]["n"] == guard["adapter"]["n"] == 2
+    outcomes = adapter.value["promotion"]["target_guard"]
+    assert set(outcomes) == {"success", "success_lacking_families", "state_match", "info_communicated", "confirmed_writes"}
+    assert outcomes["success"]["applicable"] == outcomes["success_lacking_families"]["applicable"] == 2
+    assert "\n| state_match " in adapter.metadata["target_guard"].value
 
     # The same logs, a setting that asks for informative groups: the random model gives none, and the check says so.
     strict = dataclasses.replace(PROFILES["tiny"], synthesis=dataclasses.replace(PROFILES["tiny"].synthesis, min_informative=0.5))

@@ -252,6 +252,12 @@ class TrainSettings:
     promotion_alpha: float = 0.05
     """The promotion gate: ``champion`` only when held-out success beats the base and the null
     control with a one-sided sign-test p below this (``train.heldout.promotion``)."""
+    guard_tasks: int = 27
+    """The gate's target guard: at most this many train-split tasks of the target, every family in
+    turn, the families where Step 1 labelled the capability LACKING first, played greedy by the base
+    and the adapter; the adapter is refused when it succeeds less often there
+    (``train.heldout.target_guard``). 0: off. 27 is 3 per family of the demo's 9; at about 7 s an
+    episode on 2 cores (bf16 vLLM), 54 episodes cost about 6 minutes per adapter."""
 
 
 @dataclass(frozen=True)
@@ -352,7 +358,7 @@ TINY = Settings(
     synthesis=SynthesisSettings(calibration_seeds=2, calibration_k=2, max_rounds=1, max_steps=3, band=(0.0, 1.0), min_informative=0.0),
     selection=replace(DEMO_SELECTION, max_selected=0),
     # Two iterations of 2 x 2 short episodes (its own limits: GRPO's episodes are not [rollout]'s).
-    train=TrainSettings(eval_tasks=2, grpo=replace(
+    train=TrainSettings(eval_tasks=2, guard_tasks=2, grpo=replace(
         GRPOConfig(), learning_rate=1e-3, iterations=2, groups=2, samples_per_group=2, max_steps=2,
         max_new_tokens=8, micro_batch_size=4, generation_batch_size=8, max_context_tokens=4096,
     )),

@@ -125,17 +125,19 @@ def build_experiment_assets(settings: Settings) -> list:
         return Output(value, data_version=DataVersion(stable_hash([value["spec_hash"], value["check"]])), metadata=metadata)
 
     @asset(group_name=GROUP, partitions_def=per_capability_seed, pool="train", kinds={"pytorch", "mlflow"},
-           code_version=stable_hash([grpo_identity, settings.train.eval_tasks, settings.train.promotion_alpha, generation,
-                                     EVALUATION_VERSION]))
+           code_version=stable_hash([grpo_identity, settings.train.eval_tasks, settings.train.promotion_alpha,
+                                     settings.train.guard_tasks, generation, EVALUATION_VERSION]))
     def experiment_adapter(context: AssetExecutionContext, models: ModelResource, mlflow: MlflowRegistry,
-                           experiment_env: dict, base_agent: dict) -> Output[dict[str, Any]]:
+                           store: TraceStore, experiment_env: dict, base_agent: dict,
+                           task_splits: dict) -> Output[dict[str, Any]]:
         """The capability's adapter trained with this seed (as ``lora_adapter`` makes it), never aliased."""
         name, seed = split_key(context)
         if not experiment_env["check"]["passed"]:
             raise Failure(f"experiment_adapter[{name}|{seed}]: its environment failed its check "
                           f"({experiment_env['check']['reason']}); not training on it")
         return train_capability_adapter(context, settings.for_seed(seed), name, models=models, mlflow=mlflow,
-                                        synthetic_env=experiment_env, base_agent=base_agent,
+                                        store=store, synthetic_env=experiment_env, base_agent=base_agent,
+                                        task_splits=task_splits,
                                         registry_name=registry_name(seed, name), aliases_if_promoted=())
 
     @asset(group_name=GROUP, partitions_def=seeds, pool="train", kinds={"pytorch", "mlflow"},

@@ -148,6 +148,8 @@ def make_synthetic_env(context: AssetExecutionContext, settings: Settings, name:
         "capability": name, "spec_path": str(spec_path), "spec_hash": digest, "env_name": env.name,
         "calibration": report.to_dict(), "isolation": iso, "rejected_specs": rejected,
         "calibration_rollouts": n_calibration,
+        # whose LACKING labels the adapter's target guard reads (``assets.train.target_guard_tasks``)
+        "dictionary_version": capability_spec.get("dictionary_version"),
     }
     metadata: dict[str, Any] = {
         "spec_hash": digest, "spec_path": MetadataValue.path(str(spec_path)),

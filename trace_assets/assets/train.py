@@ -15,6 +15,7 @@ from dagster import AssetExecutionContext, AssetKey, DataVersion, Failure, Metad
 
 from resources.mlflow_registry import DEFAULT_ALIASES, MlflowRegistry
 from resources.models import ModelResource
+from resources.store import TraceStore
 from trace_assets import paths
 from trace_assets.paths import folder_checksum
 from trace_assets.assets.identify import capability_partitions, per_capability_automation
@@ -42,20 +43,21 @@ def build_train_assets(settings: Settings) -> list:
 
     @asset(
         group_name=GROUP, partitions_def=capability_partitions, pool="train", kinds={"pytorch", "mlflow"},
-        code_version=stable_hash([grpo_config.identity(), train_cfg.eval_tasks, train_cfg.promotion_alpha, generation,
-                                  EVALUATION_VERSION]),
+        code_version=stable_hash([grpo_config.identity(), train_cfg.eval_tasks, train_cfg.promotion_alpha,
+                                  train_cfg.guard_tasks, generation, EVALUATION_VERSION]),
         automation_condition=per_capability_automation,
     )
     def lora_adapter(
-        context: AssetExecutionContext, models: ModelResource, mlflow: MlflowRegistry,
-        synthetic_env: dict, base_agent: dict,
+        context: AssetExecutionContext, models: ModelResource, mlflow: MlflowRegistry, store: TraceStore,
+        synthetic_env: dict, base_agent: dict, task_splits: dict,
     ) -> Output[dict[str, Any]]:
         """GRPO on the capability's synthetic environment (the base stays frozen), then the held-out
         evaluation against the base and the null control, the fidelity probe of the path it is
-        evaluated through, and the promotion gate in front of the MLflow alias ``champion``."""
+        evaluated through, the target guard on the train split, and the promotion gate in front of
+        the MLflow alias ``champion``."""
         name = checked_partition_key(context.partition_key)  # it becomes a path part below
-        return train_capability_adapter(context, settings, name, models=models, mlflow=mlflow,
-                                        synthetic_env=synthetic_env, base_agent=base_agent)
+        return train_capability_adapter(context, settings, name, models=models, mlflow=mlflow, store=store,
+                                        synthetic_env=synthetic_env, base_agent=base_agent, task_splits=task_splits)
 
     return [lora_adapter]
 
@@ -78,9 +80,9 @@ def train_grpo(models: ModelResource, base_agent: dict, env: Any, config: Any, o
         raise Failure(f"{what}: {exc}. Re-materializing resumes from the last checkpoint.") from exc
 
 
-EVALUATION_VERSION = "null-control-fidelity-promotion-v2"
+EVALUATION_VERSION = "null-control-fidelity-promotion-v3"
 """Bumped when the held-out evaluation or the promotion gate changes outside the settings
-(v2: the null control is fidelity-probed on the path it is compared through)."""
+(v2: the null control is fidelity-probed on the path it is compared through; v3: the target guard)."""
 
 
 def fidelity_checked(models: ModelResource, path: str, peft_model: Any, tokenizer: Any, probe: Any, what: str, log: Any,
@@ -149,6 +151,14 @@ def _metadata(value: dict[str, Any]) -> dict[str, Any]:
         "time_per_iteration": MetadataValue.json(value["time_per_iteration"]),
         "adapter_dir": MetadataValue.path(value["adapter_dir"]),
     }
+    guard = (value.get("promotion") or {}).get("target_guard")
+    if guard:
+        families = ", ".join((value.get("target_guard") or {}).get("lacking_families", [])) or "none"
+        metadata["target_guard"] = MetadataValue.md(
+            f"Train-split tasks of the target, every family in turn (the capability was LACKING in: {families}): "
+            "how often base and adapter succeeded and passed each check, paired, and the one-sided sign test "
+            "that the base does so more often. Success decides.\n\n"
+            + to_markdown(pl.DataFrame([{"outcome": cid, **g} for cid, g in guard.items()])))
     if value["curve"]:
         metadata["training_curve_table"] = MetadataValue.md(to_markdown(pl.DataFrame(value["curve"])))
         import io
@@ -159,12 +169,30 @@ def _metadata(value: dict[str, Any]) -> dict[str, Any]:
     return metadata
 
 
+def target_guard_tasks(store: TraceStore, name: str, task_splits: dict, synthetic_env: dict,
+                       limit: int) -> tuple[list[Any], list[str]]:
+    """``(tasks, lacking families)`` of the gate's target guard: at most ``limit`` train-split tasks,
+    every family in turn, first the families where Step 1 labelled ``name`` LACKING (under the
+    dictionary version the environment was built from, where it records one;
+    ``train.heldout.guard_tasks``)."""
+    from trace_assets.envs.splits import tasks_of
+    from trace_assets.train.heldout import guard_tasks
+
+    if limit <= 0 or "train" not in task_splits:
+        return [], []
+    train = tasks_of(task_splits, "train")
+    families = store.lacking_families(name, train, version=synthetic_env.get("dictionary_version"))
+    return guard_tasks(train, families, limit), families
+
+
 def train_capability_adapter(context: AssetExecutionContext, settings: Settings, name: str, *, models: ModelResource,
-                             mlflow: MlflowRegistry, synthetic_env: dict, base_agent: dict, registry_name: str | None = None,
+                             mlflow: MlflowRegistry, store: TraceStore, synthetic_env: dict, base_agent: dict,
+                             task_splits: dict, registry_name: str | None = None,
                              aliases_if_promoted=DEFAULT_ALIASES) -> Output[dict[str, Any]]:
     """Capability ``name``'s adapter, as ``lora_adapter`` makes it with ``settings`` (its GRPO seed is
     ``settings.train.grpo.seed``): trained (or reused from its folder, keyed by spec, base and
-    GRPO identity), fidelity-probed, evaluated against the base and the null control, gated, and
+    GRPO identity), fidelity-probed, evaluated against the base and the null control, checked
+    against the base on the target guard's train tasks (:func:`target_guard_tasks`), gated, and
     registered in MLflow as ``registry_name`` (default ``name``), taking ``aliases_if_promoted``
     only when the gate promotes it. The experiment calls it once per training seed, under its own
     registry name and with no alias. A reused adapter has the data version it had when trained."""
@@ -174,6 +202,7 @@ def train_capability_adapter(context: AssetExecutionContext, settings: Settings,
     from trace_assets.agent.identity import generation_identity, planned_generation
     from trace_assets.agent.lora import null_adapter
     from trace_assets.synthesize import environment_of, example_conversations
+    from trace_assets.envs.splits import TaskPoolEnv
     from trace_assets.train.heldout import EvalConfig, compare_base_and_adapter, promotion
     from trace_assets.train.runs import train_or_reuse
 
@@ -197,7 +226,9 @@ def train_capability_adapter(context: AssetExecutionContext, settings: Settings,
     env = environment_of(spec, target)
     key = stable_hash([synthetic_env["spec_hash"], base_agent.get("checksum") or base_agent["path"], grpo_config.identity()])
     out_dir = paths.sub("adapters", name, key)
-    evaluation_key = stable_hash([generation, train_cfg.eval_tasks, train_cfg.promotion_alpha, EVALUATION_VERSION])
+    guard, guard_families = target_guard_tasks(store, name, task_splits, synthetic_env, train_cfg.guard_tasks)
+    evaluation_key = stable_hash([generation, train_cfg.eval_tasks, train_cfg.promotion_alpha, EVALUATION_VERSION,
+                                  [t.task_id for t in guard]])
 
     def evaluated_alike(value: dict[str, Any]) -> bool:
         # Another registry name (the experiment's seed 0 is the main job's adapter) reuses it as
@@ -227,7 +258,19 @@ def train_capability_adapter(context: AssetExecutionContext, settings: Settings,
         comparison = compare_base_and_adapter(trainer.model, tokenizer, env,
                                               EvalConfig.from_limits(grpo_config, n_tasks=train_cfg.eval_tasks),
                                               backend_factory=policy_backends, null_dir=null_dir)
-        gate = promotion(comparison, alpha=train_cfg.promotion_alpha)
+        harm = None
+        if guard:  # the target's own episodes, with the limits the base's Step-1 episodes had
+            pool = TaskPoolEnv(target, guard)
+            context.log.info(f"[{name}] target guard: base and adapter on {len(guard)} train tasks "
+                             f"({name} was LACKING in {guard_families or 'none of their families'})")
+            harm = compare_base_and_adapter(trainer.model, tokenizer, pool,
+                                            EvalConfig.from_limits(settings.rollout, n_tasks=len(guard), seed_offset=0),
+                                            backend_factory=policy_backends)
+            harm["lacking"] = [t.family in guard_families for t in pool.sample_tasks(len(guard))]  # in played order
+        else:
+            context.log.warning(f"[{name}] target guard off (guard_tasks {train_cfg.guard_tasks}) or no train split: "
+                                "not measured")
+        gate = promotion(comparison, alpha=train_cfg.promotion_alpha, target=harm)
         context.log.info(f"[{name}] {gate['reason']}")
         history = result.history
         rollouts = result.rollouts_played
@@ -245,7 +288,9 @@ def train_capability_adapter(context: AssetExecutionContext, settings: Settings,
                      "heldout_success_adapter": comparison["adapter"].success_rate,
                      "heldout_success_null": comparison["null"].success_rate,
                      "fidelity_correlation": fid.correlation, "fidelity_rel_error": fid.rel_rms_error,
-                     "promoted": float(gate["promoted"])},
+                     "promoted": float(gate["promoted"]),
+                     **({"target_guard_success_base": harm["base"].success_rate,
+                         "target_guard_success_adapter": harm["adapter"].success_rate} if harm else {})},
         )
         curve = pl.DataFrame([m.to_dict() if hasattr(m, "to_dict") else dict(m.__dict__) for m in history])
         return {
@@ -257,6 +302,8 @@ def train_capability_adapter(context: AssetExecutionContext, settings: Settings,
             "reward_before": comparison["base"].to_dict(), "reward_after": comparison["adapter"].to_dict(),
             "null": comparison["null"].to_dict(), "null_dir": str(null_dir),
             "promotion": gate, "promoted": gate["promoted"], "fidelity": fid.to_dict(),
+            "target_guard": {"task_ids": [t.task_id for t in guard], "lacking_families": guard_families,
+                             **({k: harm[k].to_dict() for k in ("base", "adapter")} if harm else {})},
             "null_fidelity": null_fid.to_dict() if null_fid is not None else None,
             "generation": generation_identity(backend), "evaluation_key": evaluation_key,
             "iterations": len(history),

@@ -355,7 +355,7 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
                   "null_success": sum(r >= 1.0 for r in nulls[n]) / len(ids),
                   **{f"vs_null_{k}": v for k, v in paired_comparison(per_system[n], nulls[n]).items()},
                   "promoted": bool(adapters[n].get("promoted")),
-                  "gate (held-out synthetic seeds)": (adapters[n].get("promotion") or {}).get("reason", "—")}
+                  "gate (train side)": (adapters[n].get("promotion") or {}).get("reason", "—")}
                  for n in adapters if n in nulls]
     null_table = pl.DataFrame(null_rows) if null_rows else pl.DataFrame({"adapter": []})
     fidelity_table = (pl.DataFrame(fidelity_rows, infer_schema_length=None).select(
@@ -377,7 +377,8 @@ def evaluate_systems(settings, models, store, *, task_splits: dict, base_agent: 
         to_markdown(paired) if paired_rows else "_no routed system_",
         "### Each adapter against its null control (same per-layer norms, random directions)\n\nwins / losses: "
         "test tasks the adapter solves and its null does not, and the reverse; p_greater: exact one-sided sign test. "
-        "The gate column is the promotion decision, made on held-out synthetic seeds before this evaluation; "
+        "The gate column is the promotion decision, made before this evaluation on held-out synthetic seeds and on "
+        "the target's train-split tasks (the target guard); "
         "only promoted adapters are routed to.",
         to_markdown(null_table) if null_rows else "_no null controls_",
         f"### Fidelity of each evaluated path (agent {base_id}: {identity['backend']} {identity['dtype']})\n\n"

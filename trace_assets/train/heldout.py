@@ -11,9 +11,13 @@ Paper settings: T = 0, at most 50 interaction steps, 32k context (``EvalConfig.p
 
 :func:`promotion` is the gate in front of the MLflow alias ``champion``: an adapter is promoted only
 when its held-out success beats both the base and its null by more than the noise, i.e. the exact
-one-sided sign test on the tasks where they disagree gives ``p < alpha`` against each, and when it
+one-sided sign test on the tasks where they disagree gives ``p < alpha`` against each, when it
 passes none of the rubric's shaping checks less often than the base does (the same test the other
-way: :func:`shaping_guards`).
+way: :func:`shaping_guards`), and, given the target guard's reports, when on the target's own
+train-split tasks it does not succeed less often than the base (:func:`target_guard`: do no harm
+on the target). Those tasks are train-side (Step 1 saw them), never the test split. Success is the
+target's objective and alone decides; success on the families where the capability was LACKING
+(where it is meant to help) and each of the target's checks are measured beside it and reported.
 """
 
 from __future__ import annotations
@@ -150,8 +154,12 @@ def null_active(peft_model: Any, null_dir: str | Path):
         peft_model.delete_adapter(NULL_ADAPTER)
 
 
-def promotion(reports: dict[str, EvalReport], *, alpha: float = 0.05) -> dict[str, Any]:
-    """The promotion gate (module docstring): ``{"promoted", "reason", "vs_base", "vs_null", "alpha"}``.
+def promotion(reports: dict[str, EvalReport], *, alpha: float = 0.05,
+              target: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The promotion gate (module docstring): ``{"promoted", "reason", "vs_base", "vs_null", "alpha",
+    "guards", "target_guard"}``. ``target``: ``{"base", "adapter"}`` reports on the target guard's
+    tasks, and ``"lacking"``, per task whether its family is one where the capability was LACKING
+    (None: not measured, and the reason says so).
 
     Without a null report the adapter is never promoted (the control is part of the evidence)."""
     from trace_assets.route.report import paired_comparison
@@ -173,11 +181,22 @@ def promotion(reports: dict[str, EvalReport], *, alpha: float = 0.05) -> dict[st
     rows["guards"] = guards = shaping_guards(reports["adapter"], reports["base"]) if "base" in reports else {}
     broken = [f"it stopped passing {cid} (shaping: {g['adapter']} of {g['applicable']} tasks, base {g['base']}; "
               f"one-sided p {g['p_greater']:.3f})" for cid, g in guards.items() if g["p_greater"] < alpha]
+    rows["target_guard"] = harm = (target_guard(target["adapter"], target["base"], target.get("lacking"))
+                                   if target else None)
+    if harm:
+        won, aimed = harm["success"], harm.get(LACKING_SUCCESS) or {"applicable": 0}
+        verdicts.append(f"on {won['applicable']} target train tasks it succeeds on {won['adapter']}, base {won['base']}"
+                        + (f" (on the {aimed['applicable']} of its LACKING families: {aimed['adapter']}, base "
+                           f"{aimed['base']})" if aimed["applicable"] else ""))
+        if won["p_greater"] < alpha:
+            broken.append(f"there it succeeds less often than the base (one-sided p {won['p_greater']:.3f})")
     promoted = not broken and all(rows[k] is not None and rows[k]["p_greater"] < alpha for k in ("vs_base", "vs_null"))
     n = reports["adapter"].n
     rows["promoted"] = promoted
+    guarded = ("no shaping check lost, nor success on the target's train tasks" if harm
+               else "no shaping check lost; the target guard measured nothing")
     rows["reason"] = (f"{'promoted' if promoted else 'not promoted'}: on {n} held-out seeds its success "
-                      + "; ".join(verdicts + broken) + f" (gate: p < {alpha} against both, and no shaping check lost)")
+                      + "; ".join(verdicts + broken) + f" (gate: p < {alpha} against both, and {guarded})")
     return rows
 
 
@@ -187,13 +206,54 @@ def shaping_guards(adapter: EvalReport, base: EvalReport) -> dict[str, dict[str,
     (``p_greater``). A shaping check guards what another capability decides (e.g. making the
     write once the user said yes): an adapter whose success rose because it stopped doing that
     has learned the environment's loophole, not the capability."""
+    return paired_guards(adapter.checks, base.checks, adapter.shaping)
+
+
+LACKING_SUCCESS = "success_lacking_families"
+
+
+def target_guard(adapter: EvalReport, base: EvalReport, lacking: list[bool] | None = None) -> dict[str, dict[str, Any]]:
+    """:func:`paired_guards` of success, of success on the tasks ``lacking`` marks (its
+    :data:`LACKING_SUCCESS` row) and of every check of the target (``state_match``,
+    ``info_communicated``, ``confirmed_writes`` for retail), adapter against base on the same target
+    tasks; :func:`promotion` decides on ``success``, the rest says where a change comes from. The
+    E_confirm_before_writing adapter of the first guided experiment's seed 0 gained on its
+    environment and stopped making the writes the target needs (successful writes in 12 of 90 test
+    episodes, base 43): an environment that isolates c cannot pay for the other capabilities, so
+    the target is where their loss shows."""
+    def rows(report: EvalReport) -> dict[str, list[bool | None]]:
+        aimed = ({LACKING_SUCCESS: [ok if mark else None for ok, mark in zip(report.successes, lacking)]}
+                 if lacking is not None else {})
+        return {"success": report.successes, **aimed, **report.checks}
+
+    ids = ["success", *([LACKING_SUCCESS] if lacking is not None else []), *sorted(set(adapter.checks) | set(base.checks))]
+    return paired_guards(rows(adapter), rows(base), ids)
+
+
+def paired_guards(adapter: dict[str, list[bool | None]], base: dict[str, list[bool | None]],
+                  ids: list[str]) -> dict[str, dict[str, Any]]:
+    """Per id: on the tasks where the outcome applies to both (not None), how often each passed,
+    and the exact one-sided sign test that the base passes more often (``p_greater``)."""
     from trace_assets.route.report import paired_comparison
 
     out = {}
-    for cid in adapter.shaping:
-        pairs = [(b, a) for a, b in zip(adapter.checks.get(cid, []), base.checks.get(cid, []))
-                 if a is not None and b is not None]
+    for cid in ids:
+        pairs = [(b, a) for a, b in zip(adapter.get(cid, []), base.get(cid, [])) if a is not None and b is not None]
         cmp = paired_comparison([float(b) for b, _ in pairs], [float(a) for _, a in pairs])
-        out[cid] = {"applicable": len(pairs), "base": sum(b for b, _ in pairs), "adapter": sum(a for _, a in pairs),
-                    "p_greater": cmp["p_greater"]}
+        out[cid] = {"applicable": len(pairs), "base": sum(bool(b) for b, _ in pairs),
+                    "adapter": sum(bool(a) for _, a in pairs), "p_greater": cmp["p_greater"]}
+    return out
+
+
+def guard_tasks(tasks: list[Any], first: list[str], limit: int) -> list[Any]:
+    """At most ``limit`` of ``tasks`` (objects with ``family``), taken in turn from each family: the
+    families ``first`` in that order, then the others sorted, so that every family is in the sample
+    while tasks remain, and ``first`` (where the capability was LACKING) first when they do not."""
+    families = [*first, *sorted({t.family for t in tasks} - set(first))]
+    by_family = {f: [t for t in tasks if t.family == f] for f in families}
+    out: list[Any] = []
+    while len(out) < limit and any(by_family.values()):
+        for family in families:
+            if by_family[family] and len(out) < limit:
+                out.append(by_family[family].pop(0))
     return out

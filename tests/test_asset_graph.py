@@ -24,7 +24,7 @@ EXPECTED = {
     "experiment_baselines": ["base_agent", "experiment_adapter", "experiment_env", "selected_capabilities", "task_splits"],
     "experiment_eval": ["base_agent", "experiment_adapter", "experiment_baselines", "experiment_env", "selected_capabilities",
                         "task_splits", "trajectory_splits"],
-    "experiment_report": ["experiment_eval", "selected_capabilities", "task_splits"],
+    "experiment_report": ["experiment_adapter", "experiment_eval", "selected_capabilities", "task_splits"],
 }
 PARTITIONED = {"capability_spec", "synthetic_env", "lora_adapter", "experiment_env", "experiment_adapter",
                "experiment_baselines", "experiment_eval"}

@@ -311,3 +311,45 @@ def test_the_report_says_what_it_cost_and_where():
     assert "Materialized more than once (a code change, or a partition re-run): experiment_eval." in text
     del report["cost"]
     assert "What it cost" not in report_markdown(report) + readme_section(report)
+
+
+def test_the_report_says_per_seed_which_adapters_the_gate_refused_and_what_it_read():
+    """Each seed's verdict travels into the report with what the gate read on the train side: the
+    synthetic comparison, the target guard (all tasks and the LACKING families' tasks) and the target
+    checks lost at the gate's alpha; an adapter gated before the guard existed says it was not measured."""
+    import dataclasses
+
+    from trace_assets.assets.experiment import assemble_report
+    from trace_assets.experiment.report import report_markdown, readme_section
+    from trace_assets.settings import EXPERIMENT
+
+    def adapter(promoted, guard):
+        report = lambda rate: {"n": 48, "success_rate": rate}  # noqa: E731
+        return {"promoted": promoted, "reward_before": report(0.1875), "reward_after": report(0.25), "null": report(0.21),
+                "promotion": {"alpha": 0.05, "promoted": promoted, **({"target_guard": guard} if guard else {})}}
+
+    guard = {"success": {"applicable": 27, "base": 6, "adapter": 2, "p_greater": 0.109},
+             "success_lacking_families": {"applicable": 21, "base": 1, "adapter": 1, "p_greater": 0.75},
+             "info_communicated": {"applicable": 27, "base": 18, "adapter": 8, "p_greater": 0.003},
+             "state_match": {"applicable": 27, "base": 13, "adapter": 10, "p_greater": 0.274}}
+    per_task = {"base": [1.0, 0.0], "trace_routed": [1.0, 1.0], "confirm_before_writing": [1.0, 1.0],
+                "null:confirm_before_writing": [0.0, 0.0]}
+    evaluation = lambda seed: {"seed": seed, "task_ids": ["a", "b"], "families": ["f", "g"], "per_task": per_task,  # noqa: E731
+                               "rollouts": {}, "tokens": {}, "not_trained": []}
+    settings = dataclasses.replace(EXPERIMENT, experiment=dataclasses.replace(EXPERIMENT.experiment, bootstrap_samples=50))
+    adapters = {"0": {"confirm_before_writing": adapter(True, None)},
+                "1": {"confirm_before_writing": adapter(False, guard)},
+                "2": {"confirm_before_writing": adapter(True, guard)}}  # seed 2 not evaluated: no row
+    report, _ = assemble_report({"0": evaluation(0), "1": evaluation(1)}, settings, adapters=adapters)
+    old, refused = report["gates"]
+    assert (old["seed"], old["promoted"], old["guard"], old["checks_lost"]) == ("0", True, None, [])
+    assert refused["seed"] == "1" and not refused["promoted"]
+    assert refused["synthetic"] == {"n": 48, "base": 0.1875, "null": 0.21, "adapter": 0.25}
+    assert refused["guard"] == {"n": 27, "base": 6, "adapter": 2, "p": 0.109}
+    assert refused["guard_lacking"] == {"n": 21, "base": 1, "adapter": 1, "p": 0.75}
+    assert [c["check"] for c in refused["checks_lost"]] == ["info_communicated"]  # state_match's p is above alpha
+    for text in (report_markdown(report), readme_section(report)):
+        assert "promotion gate, per seed" in text
+        assert "| 1    | confirm_before_writing | no " in text, text
+        assert "6 → 2 of 27 (p 0.109)" in text and "1 → 1 of 21" in text and "info_communicated 18 → 8 of 27 (p 0.003)" in text
+        assert "19 / 21 / 25 (n 48)" in text and "not measured" in text

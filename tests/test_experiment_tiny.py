@@ -63,6 +63,10 @@ def test_the_experiment_runs_every_seed_and_reports_intervals(experiment):
     trained = [n for n in systems if f"null:{n}" in systems]
     lacking = {r["capability"] for r in report["lacking"]}
     assert lacking == set(trained) or any("no train-side trajectory labelled it LACKING" in n for n in report["notes"])
+    # each seed's promotion verdict, with what the gate read on the target's train split
+    assert {(g["seed"], g["capability"]) for g in report["gates"]} == {(s, n) for s in ("0", "1") for n in trained}
+    assert all(g["guard"]["n"] > 0 and g["synthetic"]["n"] > 0 for g in report["gates"]), report["gates"]
+    assert "The promotion gate, per seed" in markdown
     gains = {r["family"]: r for r in report["gains"]}
     assert set(gains) == set(report["families"]) and all(r["routed_seeds"] == ["0", "1"] for r in gains.values())
     assert sum(r["won"] - r["lost"] for r in gains.values()) == round(

@@ -227,19 +227,26 @@ def build_experiment_assets(settings: Settings) -> list:
 
     @asset(group_name=GROUP, kinds={"python", "mlflow"},
            code_version=stable_hash([exp.__dict__, REPORT_VERSION]),
-           ins={"experiment_eval": AssetIn(partition_mapping=AllPartitionMapping(), metadata=EVERY_TRAINED)})
+           ins={"experiment_eval": AssetIn(partition_mapping=AllPartitionMapping(), metadata=EVERY_TRAINED),
+                "experiment_adapter": AssetIn(partition_mapping=AllPartitionMapping(), metadata=EVERY_TRAINED)})
     def experiment_report(context: AssetExecutionContext, mlflow: MlflowRegistry, store: TraceStore, task_splits: dict,
-                          selected_capabilities: dict, experiment_eval: Any) -> Output[dict[str, Any]]:
+                          selected_capabilities: dict, experiment_eval: Any, experiment_adapter: Any) -> Output[dict[str, Any]]:
         """Success per system over the seeds with paired bootstrap intervals, the paired
         differences (also on the families where each capability was LACKING on the train side) and
-        the forest plot: ``reports/experiment.md``, asset metadata and MLflow."""
+        the forest plot, and each seed's promotion verdicts: ``reports/experiment.md``, asset
+        metadata and MLflow."""
         evals = by_partition(context, "experiment_eval", experiment_eval)
+        gated: dict[str, dict[str, Any]] = {}
+        for key, value in by_partition(context, "experiment_adapter", experiment_adapter).items():
+            dims = getattr(key, "keys_by_dimension", None) or dict(zip(("capability", "seed"), str(key).split("|")))
+            gated.setdefault(dims["seed"], {})[dims["capability"]] = value
         if not evals:
             raise Failure("experiment_report: no seed was evaluated")
         train = tasks_of(task_splits, "train")
         lacking = {name: store.lacking_families(name, train, version=selected_capabilities["dictionary_version"])
                    for name in selected_capabilities["names"]}
-        report, notes = assemble_report(evals, settings, lacking=lacking)
+        adapters = {seed: current_adapters(selected_capabilities, values) for seed, values in gated.items()}
+        report, notes = assemble_report(evals, settings, lacking=lacking, adapters=adapters)
         # the code location's whole graph: a run's own job graph holds only what the run selected
         from trace_assets.definitions import defs
 
@@ -266,13 +273,40 @@ def build_experiment_assets(settings: Settings) -> list:
     return [experiment_env, experiment_adapter, experiment_baselines, experiment_eval, experiment_report]
 
 
+def gate_row(seed: str, name: str, adapter: dict[str, Any]) -> dict[str, Any]:
+    """One ``gates`` row of the report (``experiment.report.gates_table``) from an
+    ``experiment_adapter`` value: its promotion verdict and what the gate read on the train side.
+    An adapter gated before the target guard existed has none (``guard`` None)."""
+    from trace_assets.train.heldout import LACKING_SUCCESS
+
+    gate = adapter.get("promotion") or {}
+    before, after, null = adapter.get("reward_before"), adapter.get("reward_after"), adapter.get("null")
+    guard = gate.get("target_guard") or {}
+    alpha = gate.get("alpha", 0.05)
+
+    def counts(row: dict[str, Any] | None) -> dict[str, Any] | None:
+        return ({"n": row["applicable"], "base": row["base"], "adapter": row["adapter"], "p": row["p_greater"]}
+                if row and row["applicable"] else None)
+
+    return {"seed": str(seed), "capability": name, "promoted": bool(adapter.get("promoted")),
+            "synthetic": ({"n": after["n"], "base": before["success_rate"], "null": null["success_rate"],
+                           "adapter": after["success_rate"]} if before and after and null else None),
+            "guard": counts(guard.get("success")), "guard_lacking": counts(guard.get(LACKING_SUCCESS)),
+            "checks_lost": [{"check": cid, "applicable": r["applicable"], "base": r["base"], "adapter": r["adapter"],
+                             "p": r["p_greater"]} for cid, r in guard.items()
+                            if cid not in ("success", LACKING_SUCCESS) and r["p_greater"] < alpha]}
+
+
 def assemble_report(evals: dict[str, dict[str, Any]], settings: Settings,
-                    lacking: dict[str, list[str]] | None = None) -> tuple[dict[str, Any], list[str]]:
+                    lacking: dict[str, list[str]] | None = None,
+                    adapters: dict[str, dict[str, dict[str, Any]]] | None = None) -> tuple[dict[str, Any], list[str]]:
     """The experiment report (``experiment.report.build_report``) from the seeds' evaluations:
     the systems every evaluated seed has, in a fixed order (base, TRACE, oracle, the baselines,
     then adapters and their nulls); a system missing on a seed, and a seed not evaluated, are noted.
     ``lacking``: per capability, the families where it was LACKING on the train side (the
-    adapters' contrasts are repeated there; a trained capability with none is noted)."""
+    adapters' contrasts are repeated there; a trained capability with none is noted).
+    ``adapters``: per seed, ``{capability: experiment_adapter value}``, for the promotion gate's
+    rows (:func:`gate_row`) of the evaluated seeds."""
     from trace_assets.experiment.report import ABLATION, BASE, GRPO, ORACLE, SOFT, TRACE, build_report
 
     exp = settings.experiment
@@ -320,7 +354,8 @@ def assemble_report(evals: dict[str, dict[str, Any]], settings: Settings,
         outcomes, seeds=seeds, lacking=lacking, routed=routed, checks=checks, task_ids=first["task_ids"], families=first["families"],
         rollouts={n: [evals[s]["rollouts"].get(n) for s in seeds] for n in order},
         tokens={n: [evals[s]["tokens"].get(n) for s in seeds] for n in order}, trials=trials, pass_k=exp.pass_k or 4,
-        samples=exp.bootstrap_samples, bootstrap_seed=exp.bootstrap_seed, notes=notes)
+        samples=exp.bootstrap_samples, bootstrap_seed=exp.bootstrap_seed, notes=notes,
+        gates=[gate_row(s, n, a) for s in seeds for n, a in sorted((adapters or {}).get(s, {}).items())])
     return report, notes
 
 

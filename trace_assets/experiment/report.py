@@ -36,7 +36,8 @@ LABELS = {BASE: "base", TRACE: "TRACE routed", SOFT: "TRACE soft routing (compos
           ABLATION: "GRPO on target families, binary reward"}
 README_SECTION = "experiment"
 """The README's generated section this report fills (``trace_assets.reports.splice``)."""
-REPORT_VERSION = 3  # v2: the LACKING-family contrasts; TRACE's gains and routing by family; v3: the target's checks
+REPORT_VERSION = 4  # v2: the LACKING-family contrasts; TRACE's gains and routing by family; v3: the target's checks;
+# v4: the promotion gate per seed
 
 
 def label(system: str) -> str:
@@ -59,7 +60,8 @@ def build_report(outcomes: Mapping[str, Sequence[Sequence[float | bool]]], *, se
                  samples: int = SAMPLES, level: float = LEVEL, bootstrap_seed: int = 0,
                  notes: Sequence[str] = (), lacking: Mapping[str, Sequence[str]] | None = None,
                  routed: Mapping[str, Sequence[str | None]] | None = None,
-                 checks: Mapping[str, Sequence[Sequence[Mapping[str, bool]]]] | None = None) -> dict[str, Any]:
+                 checks: Mapping[str, Sequence[Sequence[Mapping[str, bool]]]] | None = None,
+                 gates: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
     """The report dict (module docstring). ``outcomes[system]``: seeds x tasks successes, rows in the
     order of ``seeds``, columns in the order of ``task_ids`` (``families`` gives each task's family).
     ``rollouts`` / ``tokens``: per system, what its training spent with each seed (None: not
@@ -74,7 +76,9 @@ def build_report(outcomes: Mapping[str, Sequence[Sequence[float | bool]]], *, se
     routed to an adapter. ``checks``: per system (any subset), seeds x tasks of the target's
     per-check outcomes (``{check id: passed}``); the ``checks`` rows give each check's pass rate per
     system and each adapter's paired differences on it against the base and its null control
-    (:func:`check_rows`): what an adapter changed in behaviour where success does not say."""
+    (:func:`check_rows`): what an adapter changed in behaviour where success does not say.
+    ``gates``: each seed's adapters' promotion verdicts (:func:`gates_table` names the fields), carried
+    verbatim: which adapters TRACE routed could choose on each seed, and why."""
     order = list(outcomes)
     n_seeds = len(seeds)
     if any(len(rows) != n_seeds for rows in outcomes.values()):
@@ -132,6 +136,7 @@ def build_report(outcomes: Mapping[str, Sequence[Sequence[float | bool]]], *, se
         "bootstrap_seed": bootstrap_seed, "systems": rows, "contrasts": contrast_rows, "by_family": by_family,
         "gains": gains, "lacking": lacking_rows, "pass_k": pass_rows, "notes": list(notes),
         "checks": check_rows(checks or {}, order=order, samples=samples, level=level, bootstrap_seed=bootstrap_seed),
+        "gates": [dict(g) for g in gates],
     }
 
 
@@ -289,6 +294,37 @@ def _lacking_heading(report: dict[str, Any]) -> str:
             f"LACKING on the train side ({', '.join(families)}), tasks × seeds.")
 
 
+GATES_HEADING = ("## The promotion gate, per seed (train side)\n\n"
+                 "What the gate read before TRACE routed could choose an adapter: greedy success on its environment's "
+                 "held-out synthetic seeds (base, null control, adapter), and the target guard: base and adapter on the "
+                 "target's train-split tasks, every family in turn, with the one-sided sign test that the base succeeds "
+                 "more often (success decides). A refused adapter is never routed to; on that seed TRACE routed is the "
+                 "base. Target checks the adapter passed significantly less often there are reported, not gating.")
+
+
+def gates_table(report: dict[str, Any]) -> pl.DataFrame:
+    """The ``gates`` rows: per seed and adapter, ``promoted``; ``synthetic`` ``{"n", "base", "null",
+    "adapter"}`` (success rates); ``guard`` and ``guard_lacking`` ``{"n", "base", "adapter", "p"}``
+    (successes on the target guard's tasks, and on those of the capability's LACKING families; None
+    where the gate played none); ``checks_lost``: ``[{"check", "applicable", "base", "adapter", "p"}]``."""
+    def synthetic(s):
+        return "—" if not s else f"{_pct(s['base']):.0f} / {_pct(s['null']):.0f} / {_pct(s['adapter']):.0f} (n {s['n']})"
+
+    def guard(g, with_p=True):
+        if not g:
+            return "not measured"
+        return f"{g['base']} → {g['adapter']} of {g['n']}" + (f" (p {g['p']:.3f})" if with_p else "")
+
+    return pl.DataFrame([{
+        "seed": g["seed"], "adapter": g["capability"], "promoted": "yes" if g["promoted"] else "no",
+        "synthetic success % base / null / adapter": synthetic(g.get("synthetic")),
+        "target train tasks, successes base → adapter": guard(g.get("guard")),
+        "its LACKING families": guard(g.get("guard_lacking"), with_p=False),
+        "target checks lost": ", ".join(f"{c['check']} {c['base']} → {c['adapter']} of {c['applicable']} (p {c['p']:.3f})"
+                                        for c in g.get("checks_lost", [])) or "none",
+    } for g in report.get("gates", [])])
+
+
 def _spent_text(spent: dict[str, Any]) -> str:
     """The mean over seeds; "—" when the caller gave nothing for the system or seeds."""
     return "—" if spent["mean"] is None else f"{spent['mean']:,.0f}"
@@ -345,6 +381,8 @@ def report_markdown(report: dict[str, Any], *, figure: str | None = None) -> str
              "## Paired differences", to_markdown(contrasts_table(report), float_precision=1) if report["contrasts"] else "_none_"]
     if figure:
         parts.append(f"![forest plot]({figure})")
+    if report.get("gates"):
+        parts += [GATES_HEADING, to_markdown(gates_table(report))]
     if report.get("lacking"):
         parts += [_lacking_heading(report), to_markdown(lacking_table(report), float_precision=1)]
     if report.get("gains"):
@@ -402,6 +440,8 @@ def readme_section(report: dict[str, Any], *, figure: str = "docs/experiment_for
                      f"{r['capability']} was LACKING on the train side: {100 * r['estimate']:+.1f} points, interval "
                      f"[{100 * r['low']:+.1f}, {100 * r['high']:+.1f}] ({verdict}).")
     lines += ["", f"![forest plot]({figure})"]
+    if report.get("gates"):
+        lines += ["", GATES_HEADING.replace("## ", "### ", 1), "", to_markdown(gates_table(report))]
     if report.get("gains"):
         lines += ["", _gains_heading(report).replace("## ", "### ", 1), "", to_markdown(gains_table(report))]
     lines += [line for block in _checks_blocks(report, "###") for line in ("", block)]

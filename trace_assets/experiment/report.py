@@ -298,8 +298,9 @@ GATES_HEADING = ("## The promotion gate, per seed (train side)\n\n"
                  "What the gate read before TRACE routed could choose an adapter: greedy success on its environment's "
                  "held-out synthetic seeds (base, null control, adapter), and the target guard: base and adapter on the "
                  "target's train-split tasks, every family in turn, with the one-sided sign test that the base succeeds "
-                 "more often (success decides). A refused adapter is never routed to; on that seed TRACE routed is the "
-                 "base. Target checks the adapter passed significantly less often there are reported, not gating.")
+                 "more often (success decides). A refused adapter is not routed to (unless `[route] include_unpromoted`): "
+                 "on a seed where no adapter is promoted, TRACE routed is the base. Target checks the adapter passed "
+                 "significantly less often there are reported, not gating.")
 
 
 def gates_table(report: dict[str, Any]) -> pl.DataFrame:
